@@ -1,0 +1,108 @@
+"""Owns the loaded model and its KV cache; turns sequences into one forward step.
+
+The one place that knows both the GGUF file and the device: `ModelRunner.from_gguf` builds
+config, weights, expert backend and cache; `step` runs the new tokens of several sequences
+together and returns their logits.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from attention_service.batch import SeqSlice, StepBatch
+from attention_service.block_manager import BlockManager
+from attention_service.experts_client import ExpertBackend, InProcessExperts
+from attention_service.kv_cache import KVCache
+from attention_service.models import arch_spec
+from attention_service.transformer import MoETransformer
+from attention_service.weights import load_weights
+from modelfile.gguf_file import GGUFFile
+from modelfile.hparams import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    num_cached_tokens: int = 0  # tokens whose KV is already in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: default_device())
+    kv_cache_tokens: int = 4096
+    kv_block_tokens: int = 16
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class ModelRunner:
+    def __init__(self, g: GGUFFile, cfg: ModelConfig, model: MoETransformer, options: RunnerOptions):
+        self.gguf, self.cfg, self.model, self.options = g, cfg, model, options
+        num_blocks = -(-options.kv_cache_tokens // options.kv_block_tokens)
+        self.kv = KVCache(cfg.num_layers, num_blocks, options.kv_block_tokens, model.kv_entry_shapes(),
+                          options.dtype, options.device)
+        self.blocks = BlockManager(num_blocks, options.kv_block_tokens)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, options: RunnerOptions | None = None,
+                  experts: ExpertBackend | None = None) -> "ModelRunner":
+        options = options or RunnerOptions()
+        g = GGUFFile(path)
+        spec = arch_spec(g.arch, g.path.name)
+        cfg = ModelConfig.from_gguf(g, spec.hparam_defaults)
+        weights = load_weights(g, spec, cfg, options.dtype, options.device)
+        model = MoETransformer(cfg, spec, weights, experts or InProcessExperts(g))
+        return cls(g, cfg, model, options)
+
+    def step(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None,
+             all_logits: bool = False) -> torch.Tensor:
+        """Run each sequence's next `num_new_tokens` uncached tokens (default: all of them).
+
+        Returns float32 logits: of every new token if `all_logits`, else of each sequence's last.
+        """
+        if num_new_tokens is None:
+            num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
+        batch = self._build_batch(seqs, num_new_tokens, all_logits)
+        logits = self.model.forward(batch, self.kv)
+        for s, n in zip(seqs, num_new_tokens):
+            s.num_cached_tokens += n
+        return logits
+
+    def release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+
+    def _build_batch(self, seqs: list[Sequence], num_new_tokens: list[int], all_logits: bool) -> StepBatch:
+        ids, positions, new_slots, slices, logits_rows = [], [], [], [], []
+        row = 0
+        for s, n in zip(seqs, num_new_tokens):
+            start, end = s.num_cached_tokens, s.num_cached_tokens + n
+            if n <= 0 or end > s.num_tokens:
+                raise ValueError(f"sequence {s.seq_id}: cannot run tokens {start}..{end} of {s.num_tokens}")
+            self.blocks.reserve(s.seq_id, end)
+            context = self.blocks.slots(s.seq_id, 0, end)
+            ids.extend(s.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            new_slots.append(context[start:])
+            slices.append(SeqSlice(row, row + n, context.to(self.options.device)))
+            logits_rows.extend(range(row, row + n) if all_logits else [row + n - 1])
+            row += n
+        dev = self.options.device
+        return StepBatch(
+            token_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.cat(positions).to(dev),
+            new_slots=torch.cat(new_slots).to(dev),
+            seqs=tuple(slices),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )

@@ -1,0 +1,14 @@
+"""Architecture registry: GGUF `general.architecture` -> its ArchSpec. Filled here, read-only after."""
+from attention_service.models import mixtral, olmoe, qwen2moe, qwen3moe
+from attention_service.models.base import ArchSpec
+from modelfile.gguf_file import GGUFError
+
+ARCHS: dict[str, ArchSpec] = {m.SPEC.gguf_arch: m.SPEC for m in (qwen3moe, qwen2moe, mixtral, olmoe)}
+
+
+def arch_spec(gguf_arch: str, file_name: str = "model") -> ArchSpec:
+    spec = ARCHS.get(gguf_arch)
+    if spec is None:
+        raise GGUFError(f"{file_name}: architecture {gguf_arch!r} is not supported "
+                        f"(supported: {', '.join(sorted(ARCHS))})")
+    return spec

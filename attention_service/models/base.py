@@ -1,0 +1,22 @@
+"""What an architecture declares: its differences over the shared layers, and nothing else."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
+SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED = "none", "plain", "sigmoid_gated"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    gguf_arch: str
+    # q/k RMSNorm after projection: per head (Qwen3) or over the whole projection (OLMoE).
+    qk_norm: str = QK_NORM_NONE
+    # Biases on q/k/v (Qwen2): loaded and required.
+    qkv_bias: bool = False
+    # Interleaved (GPT-J) rope pairs: llama.cpp's converter permutes Llama/Mixtral q/k rows for it.
+    rope_interleaved: bool = False
+    shared_expert: str = SHARED_EXPERT_NONE
+    # ModelConfig values for metadata keys the architecture's files may omit.
+    hparam_defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -1,0 +1,8 @@
+"""OLMoE-1B-7B: q/k RMSNorm over the full projection width, top-k weights not renormalised."""
+from attention_service.models.base import QK_NORM_FULL, ArchSpec
+
+SPEC = ArchSpec(
+    gguf_arch="olmoe",
+    qk_norm=QK_NORM_FULL,
+    hparam_defaults={"expert_weights_norm": False},
+)

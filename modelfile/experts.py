@@ -1,0 +1,77 @@
+"""Routed experts in a GGUF file, and a shard of them: what both services agree an expert is.
+
+Two file layouts exist: one 3-D tensor per matrix and layer (`blk.N.ffn_gate_exps.weight`,
+[n_expert, out, in] in torch order), and the older Mixtral files with one 2-D tensor per expert
+(`blk.N.ffn_gate.E.weight`). Both become per-expert `ExpertFFN` views of the mmap: building a
+shard copies nothing and touches only the pages its experts' bytes live in, when they are used.
+"""
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import torch
+
+from kernels.moe import ExpertFFN, moe_forward
+from modelfile.gguf_file import GGUFError, GGUFFile
+
+_MATRICES = ("gate", "up", "down")
+
+
+class ExpertKey(NamedTuple):
+    layer: int
+    expert: int
+
+    def label(self) -> str:
+        """The one rendering of an expert id, for logs and metric labels."""
+        return f"L{self.layer}.E{self.expert}"
+
+
+def moe_layers(g: GGUFFile) -> list[int]:
+    """Layers that have a router, in order."""
+    num_layers = int(g.arch_require("block_count"))
+    return [i for i in range(num_layers) if g.has(f"blk.{i}.ffn_gate_inp.weight")]
+
+
+def expert_count(g: GGUFFile) -> int:
+    return int(g.arch_require("expert_count"))
+
+
+def load_layer_experts(g: GGUFFile, layer: int, experts: Iterable[int]) -> dict[int, ExpertFFN]:
+    if g.has(f"blk.{layer}.ffn_gate_exps.weight"):
+        stacked = [g.tensor(f"blk.{layer}.ffn_{m}_exps.weight") for m in _MATRICES]
+        _check_stacked(g, layer, stacked)
+        return {e: ExpertFFN(*(t[e] for t in stacked)) for e in experts}
+    if g.has(f"blk.{layer}.ffn_gate.0.weight"):
+        return {e: ExpertFFN(*(g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight") for m in _MATRICES)) for e in experts}
+    raise GGUFError(f"{g.path.name}: missing tensor 'blk.{layer}.ffn_gate_exps.weight' (layer {layer} has a router)")
+
+
+def _check_stacked(g: GGUFFile, layer: int, stacked) -> None:
+    n = expert_count(g)
+    for t in stacked:
+        if len(t.shape) != 3 or t.shape[0] != n:
+            raise GGUFError(f"{g.path.name}: tensor {t.name!r} has shape {list(t.shape)}, expected [{n}, *, *]")
+
+
+class ExpertShard:
+    """The (layer, expert) pairs one process hosts, and the expert FFN over them."""
+
+    def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None):
+        self.layers = sorted(moe_layers(g) if layers is None else layers)
+        self.experts = sorted(range(expert_count(g)) if experts is None else experts)
+        self._ffns = {layer: load_layer_experts(g, layer, self.experts) for layer in self.layers}
+
+    def holds(self, key: ExpertKey) -> bool:
+        return key.layer in self._ffns and key.expert in self._ffns[key.layer]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(f.num_bytes for layer in self._ffns.values() for f in layer.values())
+
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                expert_weights: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the layer's expert sum; ids it does not host add nothing."""
+        ffns = self._ffns.get(layer)
+        if ffns is None:
+            raise KeyError(f"layer {layer} is not in this shard (layers {self.layers[0]}-{self.layers[-1]})")
+        return moe_forward(hidden, expert_ids, expert_weights, ffns)

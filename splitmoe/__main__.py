@@ -1,0 +1,3 @@
+from splitmoe.cli import main
+
+raise SystemExit(main())

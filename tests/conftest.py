@@ -1,0 +1,15 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+sys.path.insert(0, str(REPO))  # `tests.support` importable from any rootdir
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip("../shared/fixtures not found: the llama.cpp-made fixtures live beside the clone in CI")
+    return FIXTURES
