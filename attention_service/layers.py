@@ -30,11 +30,13 @@ class Rope:
     rows the converter permuted); otherwise pairs (i, i + dims/2) (NeoX: Qwen, OLMoE, gpt-oss).
     """
 
-    def __init__(self, dims: int, theta: float, interleaved: bool, scaling: RopeScaling | None = None):
+    def __init__(self, dims: int, theta: float, interleaved: bool, scaling: RopeScaling | None = None,
+                 device: torch.device | None = None):
         self.dims = dims
         self.interleaved = interleaved
         inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
-        self.inv_freq, self.magnitude = _apply_scaling(inv_freq, scaling, theta, dims)
+        inv_freq, self.magnitude = _apply_scaling(inv_freq, scaling, theta, dims)
+        self.inv_freq = inv_freq.to(device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, D], positions [T]."""

@@ -20,7 +20,8 @@ from modelfile.hparams import ModelConfig
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, weights: ModelWeights, experts: ExpertBackend):
         self.cfg, self.spec, self.weights, self.experts = cfg, spec, weights, experts
-        self.rope = Rope(cfg.rope_dims, cfg.rope_theta, spec.rope_interleaved, cfg.rope_scaling)
+        self.rope = Rope(cfg.rope_dims, cfg.rope_theta, spec.rope_interleaved, cfg.rope_scaling,
+                         device=weights.token_embedding.device)
         self.scale = softmax_scale(cfg.head_dim)
         self.dtype = weights.token_embedding.dtype
 
