@@ -1,0 +1,1 @@
+"""The wire: .proto files, their generated modules, and the tensor codec. Imports nothing of ours."""
