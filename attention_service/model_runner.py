@@ -56,10 +56,10 @@ class ModelRunner:
         self.blocks = BlockManager(num_blocks, options.kv_block_tokens)
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike, options: RunnerOptions | None = None,
+    def from_gguf(cls, model: str | os.PathLike | GGUFFile, options: RunnerOptions | None = None,
                   experts: ExpertBackend | None = None) -> "ModelRunner":
         options = options or RunnerOptions()
-        g = GGUFFile(path)
+        g = model if isinstance(model, GGUFFile) else GGUFFile(model)
         spec = arch_spec(g.arch, g.path.name)
         cfg = ModelConfig.from_gguf(g, spec.hparam_defaults)
         weights = load_weights(g, spec, cfg, options.dtype, options.device)

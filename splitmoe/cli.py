@@ -11,6 +11,7 @@ import sys
 
 COMMAND_MODULES = (
     "splitmoe.commands.model",
+    "splitmoe.commands.serve_attention",
 )
 
 

@@ -1,0 +1,185 @@
+"""The engine: one thread that owns the model and runs steps while there is work.
+
+Each step is four calls, as in nano-vllm: schedule, run the model, sample, hand out what finished.
+Other threads talk to it only through `submit`, `abort` and `score`, which post commands to an
+inbox under a lock; outputs leave through each request's sink. A failing step (an expert service
+gone, say) fails only the requests in that step, and the engine goes on serving.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from opentelemetry import trace
+
+from attention_service.model_runner import ModelRunner, Sequence
+from attention_service.request import GenerationRequest, RequestOutput
+from attention_service.scheduler import QueueFull, ScheduledStep, Scheduler
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("splitmoe.attention.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    token_ids: list[int]
+    logprobs: list[float | None]  # None for the first token
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    max_batch_seqs: int = 0
+    max_batch_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, classify_error: Callable[[Exception], str]):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.stats = EngineStats()
+        self._classify_error = classify_error
+        self._lock = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._num_queued = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---- called from other threads ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; raises QueueFull at once when the waiting queue is full."""
+        with self._lock:
+            if len(self.scheduler.waiting) + self._num_queued >= self.scheduler.max_waiting:
+                raise QueueFull(f"the request queue is full ({self.scheduler.max_waiting} waiting)")
+            self._num_queued += 1
+            self._post(lambda: self._add(request))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._post(lambda: self._remove(request_id))
+
+    def score(self, token_ids: list[int], top_logprobs: int) -> Future:
+        """Prompt logprobs, computed between steps; resolves to PromptLogprobs."""
+        future: Future = Future()
+        with self._lock:
+            self._post(lambda: self._score(token_ids, top_logprobs, future))
+        return future
+
+    def num_running_waiting(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self.scheduler.running), len(self.scheduler.waiting) + self._num_queued
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self._inbox.append(command)
+        self._lock.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._inbox and not self.scheduler.has_work() and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                commands, self._inbox = self._inbox, []
+                for command in commands:
+                    command()
+            step = self.scheduler.schedule()
+            if step is not None:
+                self._run_step(step)
+
+    def _add(self, request: GenerationRequest) -> None:
+        self._num_queued -= 1
+        self.scheduler.waiting.append(request)
+
+    def _remove(self, request_id: str) -> None:
+        self.scheduler.remove(request_id)
+
+    def _run_step(self, step: ScheduledStep) -> None:
+        try:
+            with _step_span(step):
+                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens).cpu()
+        except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
+            self._fail(step.requests, e)
+            return
+        self._count(step)
+        for request, row in zip(step.requests, logits):
+            if request.seq.num_cached_tokens < request.seq.num_tokens:
+                continue  # a prompt chunk: nothing to sample yet
+            output = request.accept(request.sampler(row))
+            if output.finished:
+                self._finish(request)
+            request.sink(output)
+
+    def _finish(self, request: GenerationRequest) -> None:
+        with self._lock:
+            self.scheduler.remove(request.request_id)
+
+    def _fail(self, requests: list[GenerationRequest], error: Exception) -> None:
+        kind = self._classify_error(error)
+        if kind == "internal":
+            log.exception("engine step failed", exc_info=error)
+        else:
+            log.warning("engine step failed: %s", error)
+        for request in requests:
+            self._finish(request)
+            request.sink(RequestOutput(request.request_id, error=str(error), error_kind=kind,
+                                       num_prompt_tokens=request.num_prompt_tokens))
+
+    def _count(self, step: ScheduledStep) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.max_batch_seqs = max(s.max_batch_seqs, len(step.requests))
+        s.max_batch_tokens = max(s.max_batch_tokens, step.num_tokens)
+
+    def _score(self, token_ids: list[int], top_logprobs: int, future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        seq = Sequence(seq_id=-1 - self.stats.num_steps, token_ids=token_ids)
+        try:
+            logits = self.runner.step([seq], all_logits=True).cpu()
+            future.set_result(_prompt_logprobs(token_ids, logits, top_logprobs))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            future.set_exception(e)
+        finally:
+            self.runner.release(seq)
+
+
+def _step_span(step: ScheduledStep):
+    """A span per step, in the trace of its first request and linked from the others'."""
+    contexts = [r.trace_context for r in step.requests if r.trace_context is not None]
+    parent = trace.set_span_in_context(trace.NonRecordingSpan(contexts[0])) if contexts else None
+    prefill = any(n > 1 for n in step.num_new_tokens)
+    return _tracer.start_as_current_span(
+        "attention.prefill_step" if prefill else "attention.decode_step", context=parent,
+        links=[trace.Link(c) for c in contexts[1:]],
+        attributes={"splitmoe.num_seqs": len(step.requests), "splitmoe.num_tokens": step.num_tokens})
+
+
+def _prompt_logprobs(token_ids: list[int], logits: torch.Tensor, top_logprobs: int) -> PromptLogprobs:
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    targets = torch.tensor(token_ids[1:], dtype=torch.long)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    top: list[list[tuple[int, float]]] = [[]]
+    if top_logprobs:
+        values, ids = torch.topk(logprobs, top_logprobs, dim=-1)
+        top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        top += [[] for _ in chosen]
+    return PromptLogprobs(token_ids, [None, *chosen], top)

@@ -1,0 +1,77 @@
+"""One generation request's state as it moves through the scheduler."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from attention_service.detokenizer import Detokenizer
+from attention_service.model_runner import Sequence
+from attention_service.sampling import RequestSampler, Sampled, SamplingOptions
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one engine step produced for one request; `error` ends it unsuccessfully."""
+
+    request_id: str
+    text: str = ""
+    tokens: tuple[Sampled, ...] = ()
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str = ""
+    error_kind: str = ""  # "unavailable" | "internal"
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason or self.error)
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    seq: Sequence
+    options: SamplingOptions
+    sampler: RequestSampler
+    detokenizer: Detokenizer
+    sink: OutputSink
+    stop_ids: frozenset[int]
+    max_context_tokens: int
+    num_prompt_tokens: int = 0
+    arrival_s: float = field(default_factory=time.monotonic)
+    trace_context: Any = None  # the caller's span context: engine steps are traced under it
+
+    def __post_init__(self):
+        self.num_prompt_tokens = self.seq.num_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_tokens - self.num_prompt_tokens
+
+    def uncached_tokens(self) -> int:
+        return self.seq.num_tokens - self.seq.num_cached_tokens
+
+    def accept(self, sampled: Sampled) -> RequestOutput:
+        """Take the sampled token; say what to stream and whether the request is done."""
+        self.seq.token_ids.append(sampled.token_id)
+        text = self.detokenizer.add(sampled.token_id)
+        finish = self._finish_reason(sampled.token_id)
+        if finish:
+            text += self.detokenizer.flush()
+        return RequestOutput(self.request_id, text, (sampled,) if self.options.logprobs else (), finish,
+                             self.num_prompt_tokens, self.num_output_tokens)
+
+    def _finish_reason(self, token_id: int) -> str:
+        if self.detokenizer.stopped:
+            return FINISH_STOP
+        if token_id in self.stop_ids and not self.options.ignore_eos:
+            return FINISH_STOP
+        if self.num_output_tokens >= self.options.max_tokens or self.seq.num_tokens >= self.max_context_tokens:
+            return FINISH_LENGTH
+        return ""

@@ -1,0 +1,103 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Running requests go first (a decode is one token), so streams never stall behind a long prompt;
+prompts are prefilled in chunks within the step's token budget, and new requests join whenever
+the budget and the KV cache allow. When the cache runs out, the newest running request is
+preempted: its blocks are freed and it is recomputed later from its tokens. No tensors here.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from attention_service.block_manager import BlockManager
+from attention_service.request import GenerationRequest
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    requests: list[GenerationRequest]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running_seqs: int, max_waiting: int):
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_seqs = max_running_seqs
+        self.max_waiting = max_waiting
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[GenerationRequest] = []
+
+    def add(self, request: GenerationRequest) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"the request queue is full ({self.max_waiting} waiting)")
+        self.waiting.append(request)
+
+    def remove(self, request_id: str) -> GenerationRequest | None:
+        """Take a request out wherever it is, freeing its KV blocks."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.blocks.free(request.seq.seq_id)
+                    return request
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> ScheduledStep | None:
+        chosen: list[GenerationRequest] = []
+        counts: list[int] = []
+        budget = self.max_batch_tokens
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request not in self.running:  # preempted to make room for an earlier one
+                continue
+            n = min(request.uncached_tokens(), budget)
+            if self._reserve_or_preempt(request, n, protect=chosen):
+                chosen.append(request)
+                counts.append(n)
+                budget -= n
+        budget = self._admit(chosen, counts, budget)
+        return ScheduledStep(chosen, counts) if chosen else None
+
+    def _admit(self, chosen: list[GenerationRequest], counts: list[int], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_seqs:
+            request = self.waiting[0]
+            n = min(request.uncached_tokens(), budget)
+            end = request.seq.num_cached_tokens + n
+            if self.blocks.blocks_needed(request.seq.seq_id, end) > self.blocks.num_free_blocks:
+                break
+            self.blocks.reserve(request.seq.seq_id, end)
+            self.running.append(self.waiting.popleft())
+            chosen.append(request)
+            counts.append(n)
+            budget -= n
+        return budget
+
+    def _reserve_or_preempt(self, request: GenerationRequest, n: int, protect: list[GenerationRequest]) -> bool:
+        end = request.seq.num_cached_tokens + n
+        while self.blocks.blocks_needed(request.seq.seq_id, end) > self.blocks.num_free_blocks:
+            victim = next((r for r in reversed(self.running) if r is not request and r not in protect), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        self.blocks.reserve(request.seq.seq_id, end)
+        return True
+
+    def _preempt(self, request: GenerationRequest) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.seq.seq_id)
+        request.seq.num_cached_tokens = 0
+        self.waiting.appendleft(request)

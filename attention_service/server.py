@@ -1,0 +1,227 @@
+"""The attention service's gRPC surface: Generate, Score, ModelInfo, GetStats and grpc.health.v1.
+
+The server answers at once and loads the model in the background: until it is ready, health is
+NOT_SERVING, ModelInfo says `ready: false` and other calls get UNAVAILABLE. Handlers convert
+messages to our own types and back; the engine never sees a protobuf.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from opentelemetry import trace
+
+from attention_service.request import RequestOutput
+from attention_service.sampling import Sampled, SamplingOptions
+from attention_service.scheduler import QueueFull
+from attention_service.service import ServingModel, load_serving_model
+from attention_service.settings import AttentionSettings
+from proto import attention_pb2 as pb
+from proto import attention_pb2_grpc
+from splitmoe.telemetry import extract_grpc_context, tracer
+
+log = logging.getLogger(__name__)
+_tracer = tracer("splitmoe.attention")
+SERVICE_NAME = "splitmoe.v1.AttentionService"
+_ERROR_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.StatusCode.INTERNAL}
+
+
+def sampling_options(p: pb.SamplingParams, context_tokens: int) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=p.max_tokens if p.max_tokens > 0 else context_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=p.logprobs or p.top_logprobs > 0,
+        top_logprobs=p.top_logprobs,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
+    def __init__(self):
+        self.model: ServingModel | None = None
+        self.load_error = ""
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> ServingModel:
+        if self.model is None:
+            detail = f"model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
+        return self.model
+
+    async def _prompt_ids(self, model: ServingModel, request, context) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        try:
+            if kind == "text":
+                ids = model.tokenizer.encode(request.text)
+            elif kind == "token_ids":
+                ids = list(request.token_ids.ids)
+            elif kind == "chat":
+                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                ids = model.chat_prompt_ids(messages, request.chat.add_generation_prompt)
+            else:
+                raise ValueError("the request has no prompt")
+            model.check_prompt(ids)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return ids
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        model = await self._ready(context)
+        ids = await self._prompt_ids(model, request, context)
+        request_id = request.request_id or uuid.uuid4().hex
+        parent = extract_grpc_context(context.invocation_metadata())
+        with _tracer.start_as_current_span("attention.generate", context=parent) as span:
+            span.set_attribute("splitmoe.request_id", request_id)
+            span.set_attribute("splitmoe.prompt_tokens", len(ids))
+            async for response in self._generate(model, request_id, ids, request.sampling, context):
+                yield response
+
+    async def _generate(self, model: ServingModel, request_id: str, ids: list[int], params, context):
+        try:
+            options = sampling_options(params, model.max_context_tokens)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        gen_request = model.new_request(request_id, ids, options,
+                                        lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        gen_request.trace_context = trace.get_current_span().get_span_context()
+        try:
+            model.engine.submit(gen_request)
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if out.error:
+                    finished = True
+                    await context.abort(_ERROR_CODES.get(out.error_kind, grpc.StatusCode.INTERNAL), out.error)
+                finished = out.finished
+                yield self._response(model, out)
+        finally:
+            if not finished:  # the client went away: stop computing for it
+                model.engine.abort(request_id)
+
+    def _response(self, model: ServingModel, out: RequestOutput) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(text=out.text, finish_reason=out.finish_reason,
+                                       tokens=[_token_out(model, t) for t in out.tokens])
+        if out.finished:
+            response.usage.prompt_tokens = out.num_prompt_tokens
+            response.usage.completion_tokens = out.num_output_tokens
+        return response
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        model = await self._ready(context)
+        ids = await self._prompt_ids(model, request, context)
+        if not 0 <= request.top_logprobs <= 20:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs must be in [0, 20]")
+        parent = extract_grpc_context(context.invocation_metadata())
+        with _tracer.start_as_current_span("attention.score", context=parent):
+            try:
+                result = await asyncio.wrap_future(model.engine.score(ids, request.top_logprobs))
+            except Exception as e:  # noqa: BLE001 - surfaced to the client as a status
+                await context.abort(_ERROR_CODES[model.engine._classify_error(e)], str(e))
+        tokens = []
+        for token_id, logprob, top in zip(result.token_ids, result.logprobs, result.top):
+            out = pb.TokenOut(token_id=token_id, token=model.tokenizer.decode([token_id]),
+                              logprob=logprob if logprob is not None else 0.0,
+                              top=[_top(model, i, lp) for i, lp in top])
+            tokens.append(out)
+        return pb.ScoreResponse(tokens=tokens, usage=pb.Usage(prompt_tokens=len(ids)))
+
+    async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+        m = self.model
+        if m is None:
+            return pb.ModelInfoResponse(ready=False)
+        return pb.ModelInfoResponse(model_id=m.model_id, arch=m.runner.cfg.arch,
+                                    context_tokens=m.max_context_tokens, vocab_size=m.vocab_size, ready=True,
+                                    dtype=m.settings.dtype, device=str(m.runner.options.device))
+
+    async def GetStats(self, request, context) -> pb.AttentionStats:
+        m = await self._ready(context)
+        running, waiting = m.engine.num_running_waiting()
+        blocks = m.runner.blocks
+        stats = pb.AttentionStats(
+            num_running=running, num_waiting=waiting,
+            kv_cache_usage=1.0 - blocks.num_free_blocks / m.runner.kv.num_blocks,
+            num_steps=m.engine.stats.num_steps, max_batch_seqs_seen=m.engine.stats.max_batch_seqs,
+            max_batch_tokens_seen=m.engine.stats.max_batch_tokens)
+        return stats
+
+
+def _top(model: ServingModel, token_id: int, logprob: float) -> pb.TopLogprob:
+    return pb.TopLogprob(token_id=token_id, token=model.tokenizer.decode([token_id]), logprob=logprob)
+
+
+def _token_out(model: ServingModel, s: Sampled) -> pb.TokenOut:
+    return pb.TokenOut(token_id=s.token_id, token=model.tokenizer.decode([s.token_id]), logprob=s.logprob,
+                       top=[_top(model, i, lp) for i, lp in s.top])
+
+
+async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT; in-flight requests are drained for up to the grace period."""
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
+                                      ("grpc.max_receive_message_length", 256 << 20)])
+    servicer = AttentionServicer()
+    attention_pb2_grpc.add_AttentionServiceServicer_to_server(servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{settings.host}:{settings.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    log.info("attention service listening on %s, loading %s", address, settings.model_path)
+    stop = _stop_event()
+    loader = asyncio.create_task(_load(servicer, health, settings))
+    if ready is not None:
+        loader.add_done_callback(lambda _: ready.set())
+    await stop.wait()
+    log.info("attention service shutting down")
+    await server.stop(grace=5.0)
+    if servicer.model is not None:
+        servicer.model.engine.stop()
+
+
+async def _load(servicer: AttentionServicer, health, settings: AttentionSettings) -> None:
+    started = time.monotonic()
+    try:
+        model = await asyncio.to_thread(load_serving_model, settings)
+    except Exception as e:  # noqa: BLE001 - reported through health and every call
+        servicer.load_error = str(e)
+        log.error("model failed to load: %s", e)
+        return
+    model.engine.start()
+    servicer.model = model
+    await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
+    log.info("attention service ready in %.1f s", time.monotonic() - started)
+
+
+async def _set_health(health, status) -> None:
+    await health.set("", status)
+    await health.set(SERVICE_NAME, status)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests): no signals
+            pass
+    return stop

@@ -1,0 +1,109 @@
+"""Everything the attention service serves with, built from settings: model, engine, tokenizer.
+
+Also the conversions the RPC handlers share: a prompt to token ids, a request to a
+GenerationRequest. Raised `ValueError`s are the caller's fault (INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attention_service.detokenizer import Detokenizer
+from attention_service.engine import Engine
+from attention_service.experts_client import ExpertBackend, InProcessExperts
+from attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence, default_device
+from attention_service.request import GenerationRequest, OutputSink
+from attention_service.sampling import RequestSampler, SamplingOptions
+from attention_service.scheduler import Scheduler
+from attention_service.settings import AttentionSettings
+from modelfile.chat_template import ChatTemplate
+from modelfile.gguf_file import GGUFFile
+from modelfile.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class ExpertsUnavailableError(RuntimeError):
+    """Fallback name when the remote transport is not in use (see classify_error)."""
+
+
+def classify_error(error: Exception) -> str:
+    """'unavailable' for failures of the expert services (retryable), else 'internal'."""
+    names = {type(error).__name__, *(t.__name__ for t in type(error).__mro__)}
+    return "unavailable" if names & {"ExpertsUnavailable", "ExpertsUnavailableError"} else "internal"
+
+
+@dataclass
+class ServingModel:
+    settings: AttentionSettings
+    runner: ModelRunner
+    engine: Engine
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    model_id: str
+    max_context_tokens: int  # the smaller of the model's context and the KV cache
+
+    def __post_init__(self):
+        self._seq_ids = itertools.count()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.cfg.vocab_size
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        if len(ids) >= self.max_context_tokens:
+            raise ValueError(f"This model's maximum context length is {self.max_context_tokens} tokens, "
+                             f"but the prompt has {len(ids)} tokens.")
+
+    def new_request(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
+                    sink: OutputSink) -> GenerationRequest:
+        self.check_prompt(prompt_ids)
+        return GenerationRequest(
+            request_id=request_id,
+            seq=Sequence(next(self._seq_ids), list(prompt_ids)),
+            options=options,
+            sampler=RequestSampler(options, self.vocab_size),
+            detokenizer=Detokenizer(self.tokenizer, options.stop),
+            sink=sink,
+            stop_ids=self.tokenizer.stop_ids,
+            max_context_tokens=self.max_context_tokens,
+        )
+
+
+def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | None = None) -> ServingModel:
+    device = torch.device(settings.device) if settings.device else default_device()
+    options = RunnerOptions(dtype=DTYPES[settings.dtype], device=device, kv_cache_tokens=settings.kv_cache_tokens,
+                            kv_block_tokens=settings.kv_block_tokens)
+    g = GGUFFile(settings.model_path)
+    runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
+    scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
+                          settings.max_waiting_requests)
+    engine = Engine(runner, scheduler, classify_error)
+    tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
+    model = ServingModel(
+        settings=settings, runner=runner, engine=engine, tokenizer=tokenizer,
+        template=ChatTemplate.from_gguf_metadata(runner.gguf.metadata, tokenizer),
+        model_id=settings.served_model_name or Path(settings.model_path).stem,
+        max_context_tokens=min(runner.cfg.context_tokens, settings.kv_cache_tokens),
+    )
+    log.info("model %s loaded: %s, %d layers, dtype %s on %s", model.model_id, runner.cfg.arch,
+             runner.cfg.num_layers, settings.dtype, device)
+    return model
+
+
+def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:
+    if not settings.expert_services:
+        return InProcessExperts(g)
+    raise ValueError("--expert-services: remote expert services are not wired in yet")

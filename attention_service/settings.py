@@ -1,0 +1,32 @@
+"""The attention service's settings: parsed once at the edge (the CLI), passed down frozen."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSettings:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    served_model_name: str = ""  # default: the GGUF file's stem
+    dtype: str = "float32"
+    device: str = ""  # default: cuda when present, else cpu
+    kv_cache_tokens: int = 16384
+    kv_block_tokens: int = 16
+    max_batch_tokens: int = 512  # tokens per step: prompt chunks share it with decodes
+    max_running_seqs: int = 64
+    max_waiting_requests: int = 256
+    expert_services: tuple[str, ...] = ()  # host:port of each; none means all experts in-process
+    local_expert_layers: int = 0  # the first N MoE layers' experts stay in-process
+    transport: str = "auto"  # auto | grpc | shm
+    expert_timeout_s: float = 30.0
+    otlp_endpoint: str = ""
+
+    def __post_init__(self):
+        if self.transport not in ("auto", "grpc", "shm"):
+            raise ValueError(f"transport must be auto, grpc or shm, not {self.transport!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+        if self.max_batch_tokens < 1 or self.max_running_seqs < 1:
+            raise ValueError("max_batch_tokens and max_running_seqs must be >= 1")

@@ -1,0 +1,18 @@
+"""Process-wide settings read from the environment: the one place that reads os.environ."""
+from __future__ import annotations
+
+import logging
+import os
+
+
+def otlp_endpoint() -> str:
+    """The OTLP collector to send traces to; empty means tracing exports nothing."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
+def log_level() -> str:
+    return os.environ.get("SPLITMOE_LOG_LEVEL", "INFO").upper()
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
