@@ -33,7 +33,7 @@ class RequestOutput:
 OutputSink = Callable[[RequestOutput], None]
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: two requests are never "equal"
 class GenerationRequest:
     request_id: str
     seq: Sequence

@@ -1,0 +1,130 @@
+"""The attention service as a real process: generation, batching, scoring, cancellation, limits."""
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from attention_service.generate import greedy_tokens
+from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from proto import attention_pb2 as pb
+from proto import attention_pb2_grpc
+from splitmoe.demo_model import write_demo_model
+from tests.support.processes import free_port, grpc_service
+
+PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo") / "demo.gguf"
+    write_demo_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(demo, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "attention.log"
+    args = ["serve-attention", str(demo), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64"]
+    with grpc_service(args, port, log):
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        yield attention_pb2_grpc.AttentionServiceStub(channel)
+        channel.close()
+
+
+@pytest.fixture(scope="module")
+def runner(demo):
+    return ModelRunner.from_gguf(demo, RunnerOptions(kv_cache_tokens=512))
+
+
+def generate(stub, ids, max_tokens=12, **sampling):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, logprobs=True, **sampling))
+    responses = list(stub.Generate(request, timeout=60))
+    assert responses[-1].finish_reason == "length"
+    assert responses[-1].usage.completion_tokens == max_tokens
+    return [t.token_id for r in responses for t in r.tokens]
+
+
+def test_greedy_generation_equals_the_single_process_reference(service, runner):
+    for ids in PROMPTS[:3]:
+        alone = list(greedy_tokens(runner, ids, 12))
+        assert generate(service, ids) == alone
+
+
+def test_concurrent_streams_are_batched_and_each_gets_its_own_tokens(service, runner):
+    expected = [list(greedy_tokens(runner, ids, 12)) for ids in PROMPTS]
+    results = [None] * len(PROMPTS)
+
+    def client(i):
+        results[i] = generate(service, PROMPTS[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+    assert service.GetStats(pb.AttentionStatsRequest()).max_batch_seqs_seen > 1
+
+
+def test_seeded_sampling_is_reproducible(service):
+    a = generate(service, PROMPTS[0], temperature=1.0, seed=3)
+    assert a == generate(service, PROMPTS[0], temperature=1.0, seed=3)
+
+
+def test_score_returns_log_softmax_of_the_logits(service, runner):
+    ids = PROMPTS[5]
+    response = service.Score(pb.ScoreRequest(token_ids=pb.TokenIds(ids=ids), top_logprobs=3))
+    logits = runner.step([Sequence(99, ids)], all_logits=True).double()
+    logprobs = torch_log_softmax(logits.numpy())
+    got = [t.logprob for t in response.tokens[1:]]
+    want = [logprobs[i, ids[i + 1]] for i in range(len(ids) - 1)]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert [t.token_id for t in response.tokens] == ids
+    assert len(response.tokens[1].top) == 3
+
+
+def torch_log_softmax(x):
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def test_cancelled_stream_stops_its_generation(service):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[1]),
+                                 sampling=pb.SamplingParams(max_tokens=1500, ignore_eos=True))
+    call = service.Generate(request, timeout=60)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while service.GetStats(pb.AttentionStatsRequest()).num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.GetStats(pb.AttentionStatsRequest()).num_running == 0
+
+
+@pytest.mark.parametrize("request_", [
+    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 3000)),        # over the context
+    pb.GenerateRequest(token_ids=pb.TokenIds(ids=[100000])),          # not in the vocabulary
+    pb.GenerateRequest(),                                             # no prompt
+    pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=5.0)),
+], ids=["over-context", "unknown-token", "no-prompt", "bad-temperature"])
+def test_bad_requests_are_invalid_argument_and_the_service_goes_on(service, request_):
+    with pytest.raises(grpc.RpcError) as e:
+        list(service.Generate(request_, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert generate(service, PROMPTS[0], max_tokens=2)
+
+
+def test_chat_prompt_and_stop_string(service):
+    request = pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                    add_generation_prompt=True),
+                                 sampling=pb.SamplingParams(max_tokens=20, temperature=0))
+    text = "".join(r.text for r in service.Generate(request, timeout=30))
+    assert text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    request.sampling.stop.append(stop)
+    responses = list(service.Generate(request, timeout=30))
+    cut = "".join(r.text for r in responses)
+    assert cut == text[: text.index(stop)] and responses[-1].finish_reason == "stop"

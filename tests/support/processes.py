@@ -1,0 +1,68 @@
+"""Start our services as real processes on loopback ports, and wait until they are healthy."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"service at {address} exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"service at {address} not serving after {timeout_s} s")
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "splitmoe", *args], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def grpc_service(args: list[str], port: int, log_path: Path, timeout_s: float = 60.0):
+    """A `splitmoe <args>` process serving gRPC health on `port`, stopped on exit."""
+    proc = spawn(args, log_path)
+    try:
+        wait_grpc_serving(f"127.0.0.1:{port}", timeout_s, proc)
+        yield proc
+    except Exception:
+        print(log_path.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        stop(proc)
