@@ -1,0 +1,280 @@
+"""The HTTP app: routes, middleware and exception handlers around the handlers in serving.py.
+
+A route parses its body, calls its handler, and maps the outcome: an `ErrorResponse` becomes JSON
+with its status, a response model JSON, an async iterator SSE. The attention client lives as
+long as the app (the lifespan below). Middleware is pure ASGI, so a client's disconnect still
+reaches the streaming response and cancels its generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.attention_client import AttentionClient
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.openai_types import (
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, error_response, validation_error,
+)
+from gateway.serving import ChatHandler, CompletionHandler, OpsHandler, ServedModel
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: no API key, no trace span
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer tokens
+
+router = APIRouter()
+
+
+# ----------------------------------------------------------------------------------------- routes
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(raw: Request) -> Response:
+    request = await parse_body(raw, ChatCompletionRequest)
+    if isinstance(request, ErrorResponse):
+        return to_response(request)
+    handler: ChatHandler = raw.app.state.chat
+    return to_response(await with_cancellation(raw, handler.create(request, new_id("chatcmpl"))))
+
+
+@router.post("/v1/completions")
+async def create_completion(raw: Request) -> Response:
+    request = await parse_body(raw, CompletionRequest)
+    if isinstance(request, ErrorResponse):
+        return to_response(request)
+    handler: CompletionHandler = raw.app.state.completions
+    return to_response(await with_cancellation(raw, handler.create(request, new_id("cmpl"))))
+
+
+@router.get("/v1/models")
+async def list_models(raw: Request) -> Response:
+    model: ServedModel = raw.app.state.model
+    return to_response(await model.list())
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    ops: OpsHandler = raw.app.state.ops
+    return to_response(await ops.health())
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    ops: OpsHandler = raw.app.state.ops
+    return Response(content=await ops.metrics_text(), media_type=CONTENT_TYPE)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def parse_body(raw: Request, model: type[M]) -> M | ErrorResponse:
+    """The body as `model`; malformed JSON and wrong fields are OpenAI's 400, not FastAPI's 422."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as e:
+        return validation_error(e)
+
+
+def to_response(result: ErrorResponse | BaseModel | dict | AsyncIterator[str] | None) -> Response:
+    if result is None:  # the client hung up; nobody reads this
+        return Response(status_code=499)
+    if isinstance(result, ErrorResponse):
+        return error_json(result)
+    if isinstance(result, BaseModel):
+        return Response(content=result.model_dump_json(), media_type="application/json")
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def error_json(error: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.model_dump(), status_code=error.status_code, headers=headers)
+
+
+async def with_cancellation(raw: Request, work: Awaitable[T]) -> T | None:
+    """Run a handler until it returns or the client hangs up; a hang-up cancels it (and its calls).
+
+    Streams are covered by StreamingResponse itself once they start; this covers the wait before
+    (queueing, prefill) and whole non-streaming generations. None means the client is gone.
+    """
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+        await asyncio.gather(handler, watcher, return_exceptions=True)
+    return None if handler.cancelled() else handler.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ------------------------------------------------------------------------------------- middleware
+
+class BodyLimitMiddleware:
+    """Buffers each request body up to the limit; a larger one gets 413 before anything parses it."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body = await self._read_body(scope, receive)
+        if body is None:
+            too_large = error_response(413, f"the request body exceeds {self.max_body_bytes} bytes",
+                                       code="request_too_large")
+            return await error_json(too_large)(scope, receive, send)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:  # later reads wait for the client's disconnect, as the server delivers it
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:  # chunked bodies declare no length
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but health and metrics."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        denied = error_response(401, "invalid or missing API key", code="invalid_api_key")
+        await error_json(denied, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            token = headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(token.strip(), self.api_key)  # constant time: no timing oracle
+
+
+class StatusCountMiddleware:
+    """Counts responses by HTTP status (401 and 413 included, which never reach a route)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        status = 500  # what the client gets if the app fails before it answers
+
+        async def counted_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.http_responses.labels(status=str(status)).inc()
+
+
+# ----------------------------------------------------------------------------- exception handlers
+
+async def http_exception(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = f"no route {raw.method} {raw.url.path}" if exc.status_code == 404 else str(exc.detail)
+    return error_json(error_response(exc.status_code, message), headers=exc.headers)
+
+
+async def request_validation_exception(raw: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"msg": "invalid request"}
+    return error_json(error_response(400, str(first.get("msg")), code="invalid_value"))
+
+
+async def internal_exception(raw: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", raw.method, raw.url.path, exc_info=exc)
+    return error_json(error_response(500, "internal error in the gateway"))
+
+
+# ------------------------------------------------------------------------------------------- app
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Open the attention client inside the server's event loop and close it on shutdown."""
+    settings: GatewaySettings = app.state.settings
+    client = AttentionClient(settings)
+    model = ServedModel(client, settings.served_model_name)
+    app.state.model = model
+    app.state.chat = ChatHandler(client, model, app.state.metrics)
+    app.state.completions = CompletionHandler(client, model, app.state.metrics)
+    app.state.ops = OpsHandler(client, model, app.state.metrics)
+    try:
+        yield
+    finally:
+        await client.close()
+
+
+def _untraced(scope: Scope) -> bool:
+    return scope.get("path") in OPEN_PATHS
+
+
+# FastAPI's own OpenTelemetry server span is the gateway's one span per request: it continues a
+# client's traceparent, and it is current while the handlers start their gRPC calls, so
+# AttentionClient's metadata carries it on. Probes and scrapes are not traced; Prometheus has the metrics.
+TELEMETRY = {"tracing": True, "operation_spans": False, "metrics": False, "logs": False, "exclude": _untraced}
+
+
+def build_app(settings: GatewaySettings) -> FastAPI:
+    app = FastAPI(title="SplitMoE gateway", lifespan=lifespan, telemetry=TELEMETRY)
+    app.state.settings = settings
+    app.state.metrics = GatewayMetrics()
+    app.include_router(router)
+    app.add_exception_handler(StarletteHTTPException, http_exception)
+    app.add_exception_handler(RequestValidationError, request_validation_exception)
+    app.add_exception_handler(Exception, internal_exception)
+    # Each add wraps the previous: the outermost (last) counts all, the key is checked before a body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(StatusCountMiddleware, metrics=app.state.metrics)
+    return app

@@ -1,0 +1,145 @@
+"""Prometheus metrics: vLLM's names under the `splitmoe:` prefix, one registry per app.
+
+Latencies and token counts are measured here in the gateway, per request. Scheduler, KV cache and
+expert-hop figures belong to the attention service: /metrics asks it (GetStats) at scrape time
+and `StatsCollector` exposes that snapshot, so they are never stale by more than one scrape.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from proto.attention_pb2 import AttentionStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's buckets (v1/metrics/loggers.py), so dashboards built for vLLM read ours unchanged.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exposes, registered in its own registry (two apps never collide)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("splitmoe:time_to_first_token_seconds", "Time to the first generated message.",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("splitmoe:inter_token_latency_seconds", "Time between generated tokens of one choice.",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("splitmoe:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("splitmoe:prompt_tokens", "Prefilled prompt tokens.", registry=r)
+        self.generation_tokens = Counter("splitmoe:generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter("splitmoe:request_success", "Finished choices by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.http_responses = Counter("splitmoe:http_responses", "HTTP responses by status code.",
+                                      ["status"], registry=r)
+        self.stats = StatsCollector()
+        r.register(self.stats)
+
+    def request_timer(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
+        return RequestTimer(self, clock)
+
+    def render(self, stats: "AttentionStats | None") -> bytes:
+        """The exposition text, with the attention service's figures from `stats` (None: unreachable)."""
+        self.stats.update(stats)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's latencies: arrival, first message, and each choice's previous message."""
+
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._start_s = clock()
+        self._last_s: dict[int, float] = {}
+
+    def on_message(self, choice: int, num_tokens: int) -> None:
+        now_s = self._clock()
+        if not self._last_s:
+            self._metrics.ttft.observe(now_s - self._start_s)
+        elif choice in self._last_s:
+            # A message may carry several tokens (text held back for a stop string): share the gap.
+            share = max(num_tokens, 1)
+            for _ in range(share):
+                self._metrics.itl.observe((now_s - self._last_s[choice]) / share)
+        self._last_s[choice] = now_s
+
+    def finish(self, prompt_tokens: int, completion_tokens: int, finish_reasons: Iterable[str | None]) -> None:
+        self._metrics.e2e.observe(self._clock() - self._start_s)
+        self._metrics.prompt_tokens.inc(prompt_tokens)
+        self._metrics.generation_tokens.inc(completion_tokens)
+        for reason in finish_reasons:
+            self._metrics.request_success.labels(finished_reason=reason or "unknown").inc()
+
+
+class StatsCollector(Collector):
+    """The attention service's last GetStats answer as Prometheus families."""
+
+    def __init__(self) -> None:
+        self._stats: AttentionStats | None = None
+
+    def update(self, stats: "AttentionStats | None") -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # families vary with the expert services present; skip the registry's name check
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        yield GaugeMetricFamily("splitmoe:attention_service_up", "1 if the attention service answered GetStats.",
+                                value=0 if s is None else 1)
+        if s is None:
+            return
+        yield from _scheduler_families(s)
+        yield from _hop_families(s)
+        tokens = CounterMetricFamily("splitmoe:expert_tokens", "Tokens routed to each expert.",
+                                     labels=["layer", "expert"])
+        for count in s.expert_tokens:
+            tokens.add_metric([str(count.layer), str(count.expert)], count.tokens)
+        yield tokens
+
+
+def _scheduler_families(s: "AttentionStats") -> Iterator[Metric]:
+    yield GaugeMetricFamily("splitmoe:num_requests_running", "Sequences in the running batch.", value=s.num_running)
+    yield GaugeMetricFamily("splitmoe:num_requests_waiting", "Requests queued for admission.", value=s.num_waiting)
+    yield GaugeMetricFamily("splitmoe:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.",
+                            value=s.kv_cache_usage)
+    yield GaugeMetricFamily("splitmoe:max_batch_seqs", "Most sequences batched in one scheduler step.",
+                            value=s.max_batch_seqs_seen)
+    yield GaugeMetricFamily("splitmoe:max_batch_tokens", "Most tokens batched in one scheduler step.",
+                            value=s.max_batch_tokens_seen)
+    yield CounterMetricFamily("splitmoe:scheduler_steps", "Scheduler steps run.", value=s.num_steps)
+
+
+def _hop_families(s: "AttentionStats") -> Iterator[Metric]:
+    labels = ["address"]
+    families = {
+        "hop_s_total": CounterMetricFamily("splitmoe:expert_hop_seconds", "Wall time of expert hops.", labels=labels),
+        "compute_s_total": CounterMetricFamily("splitmoe:expert_compute_seconds",
+                                               "Expert compute time inside hops.", labels=labels),
+        "num_hops": CounterMetricFamily("splitmoe:expert_hops", "Expert hops (one per MoE layer and step).",
+                                        labels=labels),
+        "bytes_total": CounterMetricFamily("splitmoe:expert_hop_bytes", "Bytes sent and received in hops.",
+                                           labels=labels),
+    }
+    healthy = GaugeMetricFamily("splitmoe:expert_service_healthy", "1 if the expert service is healthy.",
+                                labels=labels)
+    for hop in s.hops:
+        for field, family in families.items():
+            family.add_metric([hop.expert_address], getattr(hop, field))
+        healthy.add_metric([hop.expert_address], 1 if hop.healthy else 0)
+    yield from families.values()
+    yield healthy

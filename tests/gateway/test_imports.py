@@ -1,0 +1,14 @@
+"""The gateway stays thin: importing it (and its CLI command) loads no torch and no engine code."""
+import subprocess
+import sys
+
+from tests.support.processes import REPO
+
+FORBIDDEN = ("torch", "kernels", "modelfile", "attention_service", "expert_service")
+
+
+def test_gateway_imports_no_torch_and_no_engine_packages():
+    code = ("import sys, gateway.app, splitmoe.commands.serve_gateway, splitmoe.cli; splitmoe.cli.build_parser();"
+            f"print([m for m in {FORBIDDEN!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

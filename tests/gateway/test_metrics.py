@@ -1,0 +1,58 @@
+"""Gateway-measured latencies and the attention service's GetStats as Prometheus text."""
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import GatewayMetrics
+from proto import attention_pb2 as pb
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_timer_observes_ttft_itl_and_e2e_with_vllm_names():
+    metrics = GatewayMetrics()
+    clock = iter([0.0, 0.5, 0.6, 0.7, 0.9, 1.0]).__next__
+    timer = metrics.request_timer(clock)      # arrival at 0.0
+    timer.on_message(0, 1)                    # first message at 0.5: TTFT
+    timer.on_message(1, 1)                    # another choice's first message: neither TTFT nor ITL
+    timer.on_message(0, 1)                    # 0.2 after choice 0's last
+    timer.on_message(0, 2)                    # two tokens in one message: two gaps of 0.1
+    timer.finish(10, 4, ["stop", "length"])   # at 1.0
+    s = samples(metrics.render(None))
+    assert s[("splitmoe:time_to_first_token_seconds_sum", ())] == 0.5
+    assert s[("splitmoe:inter_token_latency_seconds_count", ())] == 3
+    assert abs(s[("splitmoe:inter_token_latency_seconds_sum", ())] - 0.4) < 1e-9
+    assert s[("splitmoe:e2e_request_latency_seconds_sum", ())] == 1.0
+    assert s[("splitmoe:prompt_tokens_total", ())] == 10
+    assert s[("splitmoe:generation_tokens_total", ())] == 4
+    assert s[("splitmoe:request_success_total", (("finished_reason", "stop"),))] == 1
+    assert s[("splitmoe:attention_service_up", ())] == 0
+
+
+def test_stats_become_gauges_and_counters_at_scrape():
+    stats = pb.AttentionStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, max_batch_seqs_seen=7, num_steps=9,
+                              hops=[pb.HopStats(expert_address="10.0.0.1:9000", num_hops=48, hop_s_total=0.5,
+                                                compute_s_total=0.3, bytes_total=4096, healthy=False)],
+                              expert_tokens=[pb.ExpertTokenCount(layer=1, expert=5, tokens=12)])
+    s = samples(GatewayMetrics().render(stats))
+    assert s[("splitmoe:num_requests_running", ())] == 3
+    assert s[("splitmoe:num_requests_waiting", ())] == 2
+    assert s[("splitmoe:kv_cache_usage_perc", ())] == 0.25
+    assert s[("splitmoe:max_batch_seqs", ())] == 7
+    addr = (("address", "10.0.0.1:9000"),)
+    assert s[("splitmoe:expert_hops_total", addr)] == 48
+    assert s[("splitmoe:expert_hop_seconds_total", addr)] == 0.5
+    assert s[("splitmoe:expert_hop_bytes_total", addr)] == 4096
+    assert s[("splitmoe:expert_service_healthy", addr)] == 0
+    assert s[("splitmoe:expert_tokens_total", (("expert", "5"), ("layer", "1")))] == 12
+    assert s[("splitmoe:attention_service_up", ())] == 1
+
+
+def test_two_apps_do_not_share_a_registry():
+    a, b = GatewayMetrics(), GatewayMetrics()
+    a.prompt_tokens.inc(5)
+    assert samples(b.render(None))[("splitmoe:prompt_tokens_total", ())] == 0
