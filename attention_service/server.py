@@ -21,7 +21,7 @@ from opentelemetry import trace
 from attention_service.request import RequestOutput
 from attention_service.sampling import Sampled, SamplingOptions
 from attention_service.scheduler import QueueFull
-from attention_service.service import ServingModel, load_serving_model
+from attention_service.service import ServingModel, classify_error, load_serving_model
 from attention_service.settings import AttentionSettings
 from proto import attention_pb2 as pb
 from proto import attention_pb2_grpc
@@ -134,7 +134,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             try:
                 result = await asyncio.wrap_future(model.engine.score(ids, request.top_logprobs))
             except Exception as e:  # noqa: BLE001 - surfaced to the client as a status
-                await context.abort(_ERROR_CODES[model.engine._classify_error(e)], str(e))
+                await context.abort(_ERROR_CODES[classify_error(e)], str(e))
         tokens = []
         for token_id, logprob, top in zip(result.token_ids, result.logprobs, result.top):
             out = pb.TokenOut(token_id=token_id, token=model.tokenizer.decode([token_id]),
