@@ -19,7 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from attention_service.request import RequestOutput
-from attention_service.sampling import Sampled, SamplingOptions
+from attention_service.sampling import SamplingOptions
 from attention_service.scheduler import QueueFull
 from attention_service.service import ServingModel, classify_error, load_serving_model
 from attention_service.settings import AttentionSettings
@@ -118,7 +118,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
 
     def _response(self, model: ServingModel, out: RequestOutput) -> pb.GenerateResponse:
         response = pb.GenerateResponse(text=out.text, finish_reason=out.finish_reason,
-                                       tokens=[_token_out(model, t) for t in out.tokens])
+                                       tokens=[_token_out(model, t.token_id, t.logprob, t.top) for t in out.tokens])
         if out.finished:
             response.usage.prompt_tokens = out.num_prompt_tokens
             response.usage.completion_tokens = out.num_output_tokens
@@ -137,11 +137,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                 await context.abort(_ERROR_CODES[classify_error(e)], str(e))
         tokens = []
         for token_id, logprob, top in zip(result.token_ids, result.logprobs, result.top):
-            out = pb.TokenOut(token_id=token_id, token=model.tokenizer.decode([token_id]),
-                              logprob=logprob if logprob is not None else 0.0,
-                              top=[_top(model, i, lp) for i, lp in top])
-            tokens.append(out)
-        return pb.ScoreResponse(tokens=tokens, usage=pb.Usage(prompt_tokens=len(ids)))
+            tokens.append(_token_out(model, token_id, 0.0 if logprob is None else logprob, top))
+        return pb.ScoreResponse(tokens=tokens, usage=pb.Usage(prompt_tokens=len(ids)),
+                                text=model.tokenizer.decode(ids))
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         m = self.model
@@ -164,12 +162,15 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
 
 
 def _top(model: ServingModel, token_id: int, logprob: float) -> pb.TopLogprob:
-    return pb.TopLogprob(token_id=token_id, token=model.tokenizer.decode([token_id]), logprob=logprob)
+    t = model.tokenizer
+    return pb.TopLogprob(token_id=token_id, token=t.decode([token_id]), logprob=logprob,
+                         token_bytes=t.token_bytes(token_id))
 
 
-def _token_out(model: ServingModel, s: Sampled) -> pb.TokenOut:
-    return pb.TokenOut(token_id=s.token_id, token=model.tokenizer.decode([s.token_id]), logprob=s.logprob,
-                       top=[_top(model, i, lp) for i, lp in s.top])
+def _token_out(model: ServingModel, token_id: int, logprob: float, top) -> pb.TokenOut:
+    t = model.tokenizer
+    return pb.TokenOut(token_id=token_id, token=t.decode([token_id]), logprob=logprob,
+                       token_bytes=t.token_bytes(token_id), top=[_top(model, i, lp) for i, lp in top])
 
 
 async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None) -> None:

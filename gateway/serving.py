@@ -185,12 +185,20 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
+def token_str(t: pb.TokenOut | pb.TopLogprob) -> str:
+    """The token as OpenAI spells it: its text, or `bytes:\\xNN` when it holds part of a character."""
+    try:
+        return t.token_bytes.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in t.token_bytes)
+
+
 def chat_logprobs(tokens: Sequence[pb.TokenOut], top_n: int) -> ChatChoiceLogprobs:
     def top(t: pb.TokenOut) -> list[TopLogprob]:
-        return [TopLogprob(token=c.token, logprob=_logprob(c.logprob), bytes=list(c.token.encode()))
+        return [TopLogprob(token=token_str(c), logprob=_logprob(c.logprob), bytes=list(c.token_bytes))
                 for c in t.top[:top_n]]
     return ChatChoiceLogprobs(content=[
-        TokenLogprob(token=t.token, logprob=_logprob(t.logprob), bytes=list(t.token.encode()), top_logprobs=top(t))
+        TokenLogprob(token=token_str(t), logprob=_logprob(t.logprob), bytes=list(t.token_bytes), top_logprobs=top(t))
         for t in tokens])
 
 
@@ -199,7 +207,7 @@ def completion_logprobs(tokens: Sequence[pb.TokenOut], top_n: int, text_offset: 
     """The legacy format. `first_unscored`: tokens[0] opens a prompt, so nothing predicts it."""
     out = CompletionLogprobs()
     for i, t in enumerate(tokens):
-        out.tokens.append(t.token)
+        out.tokens.append(token_str(t))
         out.text_offset.append(text_offset)
         text_offset += len(t.token)
         if i == 0 and first_unscored:
@@ -207,8 +215,8 @@ def completion_logprobs(tokens: Sequence[pb.TokenOut], top_n: int, text_offset: 
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(_logprob(t.logprob))
-        top = {c.token: _logprob(c.logprob) for c in t.top[:top_n]}
-        top.setdefault(t.token, _logprob(t.logprob))  # the sampled token, as vLLM includes it
+        top = {token_str(c): _logprob(c.logprob) for c in t.top[:top_n]}
+        top.setdefault(token_str(t), _logprob(t.logprob))  # the sampled token, as vLLM includes it
         out.top_logprobs.append(top)
     return out
 
@@ -391,7 +399,7 @@ class CompletionHandler(Handler):
 
     @staticmethod
     def _echo(request: CompletionRequest, prompt: str | list[int], score: pb.ScoreResponse) -> PromptEcho:
-        text = prompt if isinstance(prompt, str) else "".join(t.token for t in score.tokens)
+        text = prompt if isinstance(prompt, str) else score.text
         logprobs = None
         if request.echo and request.logprobs is not None:
             logprobs = completion_logprobs(score.tokens, request.logprobs, 0, first_unscored=True)

@@ -146,6 +146,9 @@ def _byte_alphabet() -> dict[int, str]:
     return spelled
 
 
+_BYTE_OF_CHAR = {c: b for b, c in _byte_alphabet().items()}
+
+
 # --- the tokenizer ---------------------------------------------------------------------------
 
 
@@ -153,9 +156,10 @@ class Tokenizer:
     """Encode/decode with a GGUF vocabulary; ids are the GGUF's own token ids."""
 
     def __init__(self, backend: _HFTokenizer, tokens: Sequence[str], bos_id: int | None, eos_id: int | None,
-                 stop_ids: frozenset[int], add_bos: bool, add_eos: bool):
+                 stop_ids: frozenset[int], add_bos: bool, add_eos: bool, byte_level: bool = True):
         self._backend = backend
         self._tokens = list(tokens)
+        self._byte_level = byte_level
         self.vocab_size = len(self._tokens)
         self.bos_id, self.eos_id = bos_id, eos_id
         self.stop_ids = stop_ids
@@ -176,7 +180,8 @@ class Tokenizer:
         bos_id, eos_id = _special_id(meta, "bos_token_id", tokens), _special_id(meta, "eos_token_id", tokens)
         add_bos = _flag(meta, "add_bos_token", add_bos_default, bos_id)
         add_eos = _flag(meta, "add_eos_token", False, eos_id)
-        return cls(backend, tokens, bos_id, eos_id, _stop_ids(meta, tokens, eos_id), add_bos, add_eos)
+        return cls(backend, tokens, bos_id, eos_id, _stop_ids(meta, tokens, eos_id), add_bos, add_eos,
+                   byte_level=model == "gpt2")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=False).ids
@@ -192,6 +197,16 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self._tokens[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for: a UTF-8 character may be split across tokens."""
+        text = self._tokens[token_id]
+        if self._byte_level:
+            unspell = _BYTE_OF_CHAR
+            return b"".join(bytes([unspell[c]]) if c in unspell else c.encode() for c in text)
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return bytes([int(text[3:5], 16)])
+        return text.replace("\u2581", " ").encode()
 
 
 # --- building blocks -------------------------------------------------------------------------

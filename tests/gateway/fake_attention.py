@@ -68,8 +68,8 @@ class FakeAttention(attention_pb2_grpc.AttentionServiceServicer):
             cut = min((candidate.find(st) for st in s.stop if st in candidate), default=-1)
             response = pb.GenerateResponse(text=candidate[len(emitted):cut] if cut >= 0 else piece)
             if s.logprobs:
-                top = [pb.TopLogprob(token_id=i, token=piece, logprob=-0.5 - i)][: s.top_logprobs]
-                response.tokens.append(pb.TokenOut(token_id=i, token=piece, logprob=-0.5 - i, top=top))
+                top = [pb.TopLogprob(token_id=i, token=piece, token_bytes=piece.encode(), logprob=-0.5 - i)][: s.top_logprobs]
+                response.tokens.append(pb.TokenOut(token_id=i, token=piece, token_bytes=piece.encode(), logprob=-0.5 - i, top=top))
             done = cut >= 0 or i == n_tokens - 1
             if done:
                 response.finish_reason = "stop" if cut >= 0 else "length"
@@ -81,10 +81,12 @@ class FakeAttention(attention_pb2_grpc.AttentionServiceServicer):
 
     def Score(self, request, context):
         words = self._check(request, context)
-        tokens = [pb.TokenOut(token_id=i, token=w if i == 0 else " " + w, logprob=0.0 if i == 0 else -1.0 * i,
-                              top=[pb.TopLogprob(token="x", logprob=-0.25)][: request.top_logprobs])
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        tokens = [pb.TokenOut(token_id=i, token=pieces[i], token_bytes=pieces[i].encode(), logprob=0.0 if i == 0 else -1.0 * i,
+                              top=[pb.TopLogprob(token="x", token_bytes=b"x", logprob=-0.25)][: request.top_logprobs])
                   for i, w in enumerate(words)]
-        return pb.ScoreResponse(tokens=tokens, usage=pb.Usage(prompt_tokens=len(words)))
+        return pb.ScoreResponse(tokens=tokens, usage=pb.Usage(prompt_tokens=len(words)),
+                                text="".join(t.token for t in tokens))
 
     def ModelInfo(self, request, context):
         if not self.ready:

@@ -18,7 +18,8 @@ from proto import attention_pb2 as pb
 
 
 def token(text, logprob=-1.0, top=()):
-    return pb.TokenOut(token=text, logprob=logprob, top=[pb.TopLogprob(token=t, logprob=lp) for t, lp in top])
+    return pb.TokenOut(token=text, token_bytes=text.encode(), logprob=logprob,
+                       top=[pb.TopLogprob(token=t, token_bytes=t.encode(), logprob=lp) for t, lp in top])
 
 
 class FakeCall:
