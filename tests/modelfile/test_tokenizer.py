@@ -408,3 +408,15 @@ def test_missing_model_and_merges_are_named():
     assert "tokenizer.ggml.model" in one_line_error({"tokenizer.ggml.tokens": ["a"]})
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.pre": "qwen2"}
     assert "tokenizer.ggml.merges" in one_line_error(meta)
+
+
+TOKEN_BYTES_TEXT = "naïve café — 水 and emoji 🙂 end"
+
+
+def test_token_bytes_spell_the_text_byte_for_byte(llama3_pair, spm_pair):
+    for tok in (llama3_pair[0], spm_pair[0]):
+        ids = tok.encode(TOKEN_BYTES_TEXT, add_special_tokens=False)
+        joined = b"".join(tok.token_bytes(i) for i in ids)
+        assert joined.decode().strip() == TOKEN_BYTES_TEXT  # SentencePiece adds its dummy-prefix space
+    byte_tokens = [i for i in llama3_pair[0].encode("水", add_special_tokens=False)]
+    assert len(byte_tokens) > 1 and any(len(llama3_pair[0].token_bytes(i)) == 1 for i in byte_tokens)
