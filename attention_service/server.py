@@ -188,7 +188,7 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None)
     await server.start()
     log.info("attention service listening on %s, loading %s", address, settings.model_path)
     stop = _stop_event()
-    loader = asyncio.create_task(_load(servicer, health, settings))
+    loader = asyncio.create_task(_load(servicer, health, settings, stop))
     if ready is not None:
         loader.add_done_callback(lambda _: ready.set())
     await stop.wait()
@@ -196,15 +196,18 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None)
     await server.stop(grace=5.0)
     if servicer.model is not None:
         servicer.model.engine.stop()
+    elif servicer.load_error:
+        raise SystemExit(f"attention service: model failed to load: {servicer.load_error}")
 
 
-async def _load(servicer: AttentionServicer, health, settings: AttentionSettings) -> None:
+async def _load(servicer: AttentionServicer, health, settings: AttentionSettings, stop: asyncio.Event) -> None:
     started = time.monotonic()
     try:
         model = await asyncio.to_thread(load_serving_model, settings)
-    except Exception as e:  # noqa: BLE001 - reported through health and every call
+    except Exception as e:  # noqa: BLE001 - the process exits: a supervisor sees it and says why
         servicer.load_error = str(e)
         log.error("model failed to load: %s", e)
+        stop.set()
         return
     model.engine.start()
     servicer.model = model

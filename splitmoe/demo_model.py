@@ -13,6 +13,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
 
+from splitmoe import settings
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -38,14 +40,9 @@ class DemoShape:
     quant: str = "q8_0"  # or "f32"
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "splitmoe"
-
-
 def demo_model_path(cache_dir: Path | None = None, shape: DemoShape = DemoShape()) -> Path:
     """The demo GGUF, written once into the cache directory."""
-    path = (cache_dir or default_cache_dir()) / f"demo-qwen3moe-s{shape.seed}-{shape.quant}.gguf"
+    path = (cache_dir or settings.cache_dir()) / f"demo-qwen3moe-s{shape.seed}-{shape.quant}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

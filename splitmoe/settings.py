@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 
 def otlp_endpoint() -> str:
     """The OTLP collector to send traces to; empty means tracing exports nothing."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
+def cache_dir() -> Path:
+    """Where SplitMoE keeps what it makes (the demo model, run directories)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "splitmoe"
 
 
 def log_level() -> str:

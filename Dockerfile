@@ -1,0 +1,45 @@
+# One image for every SplitMoE service: `splitmoe serve-experts | serve-attention | serve-gateway | up`.
+#   docker build -t splitmoe .
+#   docker run --rm -p 8000:8000 splitmoe          # the whole stack in one container, demo model
+#   docker compose up --scale expert=3             # one container per service: see compose.yaml
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# CPU-only torch from PyTorch's CPU index, pinned, before anything else: the PyPI wheel bundles
+# CUDA libraries (gigabytes) that CPU expert services never use. `pip install .` below then finds
+# its `torch>=2.4` requirement already met and leaves it alone.
+ARG TORCH_VERSION=2.13.0
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+
+# Only what the package needs (the tests and any local models stay out of the image).
+WORKDIR /opt/splitmoe/src
+COPY pyproject.toml README.md ./
+COPY splitmoe/ splitmoe/
+COPY modelfile/ modelfile/
+COPY kernels/ kernels/
+COPY attention_service/ attention_service/
+COPY expert_service/ expert_service/
+COPY gateway/ gateway/
+COPY proto/ proto/
+RUN pip install . && rm -rf /opt/splitmoe/src
+
+# The demo model, written once at build time so that every container of the stack opens the very
+# same file (the services compare the file's identity: name, size, mtime). compose.yaml's MODEL
+# defaults to it when no model is mounted.
+RUN python -c "from splitmoe.demo_model import write_demo_model; write_demo_model('/opt/splitmoe/demo.gguf')" \
+    && chmod 0444 /opt/splitmoe/demo.gguf
+
+# Not root: the services need no privileges, and mounted models are read-only.
+RUN useradd --system --uid 10001 --create-home --home-dir /home/splitmoe --shell /usr/sbin/nologin splitmoe \
+    && mkdir -p /models
+USER splitmoe
+WORKDIR /home/splitmoe
+
+# gateway HTTP, attention gRPC, expert gRPC (compose.yaml uses these ports)
+EXPOSE 8000 50051 50061
+ENTRYPOINT ["splitmoe"]
+CMD ["up", "/opt/splitmoe/demo.gguf", "--host", "0.0.0.0", "--port", "8000"]
