@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from modelfile.hparams import GATING_SIGMOID, RopeScaling
+from modelfile.hparams import RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,32 +74,6 @@ def _apply_scaling(inv_freq: torch.Tensor, scaling: RopeScaling | None, theta: f
 
 def _yarn_corr_dim(rotations: float, dims: int, theta: float, original_context_tokens: int) -> float:
     return dims * math.log(original_context_tokens / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-              scale: float) -> torch.Tensor:
-    """Causal attention of new queries over the whole context, computed in float32.
-
-    q [T, H, D] at absolute `q_positions` [T]; k [C, G, D] and v [C, G, Dv] hold positions 0..C-1.
-    Returns [T, H, Dv] in q's dtype.
-    """
-    context = torch.arange(k.shape[0], device=k.device)
-    allowed = context[None, :] <= q_positions[:, None]
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
-        attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1).to(q.dtype)
-
-
-def route(router_logits: torch.Tensor, top_k: int, gating: str, renormalize: bool,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick each token's experts: ids [T, K] and float32 weights [T, K]."""
-    logits = router_logits.float()
-    probs = torch.sigmoid(logits) if gating == GATING_SIGMOID else torch.softmax(logits, dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights * scale
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

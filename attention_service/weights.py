@@ -6,27 +6,14 @@ because routing decisions and normalisation are where low precision hurts most.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from attention_service.models.base import (QK_NORM_NONE, SHARED_EXPERT_GATED, SHARED_EXPERT_NONE,
-                                           ArchSpec)
-from kernels.quants import dequantize
+from attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
+from attention_service.weight_loader import WeightLoader
 from modelfile.gguf_file import GGUFError, GGUFFile
 from modelfile.hparams import ModelConfig
-
-
-@dataclass
-class AttentionWeights:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,7 +35,7 @@ class MoEWeights:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    attn: AttentionWeights
+    attn: Any  # the architecture's attention weights (attention.py, mla.py)
     ffn_norm: torch.Tensor
     dense_ffn: DenseFFNWeights | None
     moe: MoEWeights | None
@@ -62,23 +49,9 @@ class ModelWeights:
     output: torch.Tensor
 
 
-class _Loader:
-    def __init__(self, g: GGUFFile, dtype: torch.dtype, device: torch.device):
-        self.g, self.dtype, self.device = g, dtype, device
-
-    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.g.tensor(name)).to(device=self.device, dtype=dtype or self.dtype)
-
-    def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        return self(name, dtype) if self.g.has(name) else None
-
-    def norm(self, name: str) -> torch.Tensor:
-        return self(name, torch.float32)
-
-
 def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> ModelWeights:
-    load = _Loader(g, dtype, device)
+    load = WeightLoader(g, dtype, device)
     embedding = load("token_embd.weight")
     output = load.optional("output.weight")
     return ModelWeights(
@@ -89,36 +62,24 @@ def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dty
     )
 
 
-def _load_layer(load: _Loader, spec: ArchSpec, cfg: ModelConfig, i: int) -> LayerWeights:
+def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"blk.{i}."
     is_moe = load.g.has(p + "ffn_gate_inp.weight")
     return LayerWeights(
         attn_norm=load.norm(p + "attn_norm.weight"),
-        attn=_load_attention(load, spec, p),
+        attn=spec.attention.load_weights(load, spec, p),
         ffn_norm=load.norm(p + "ffn_norm.weight"),
         dense_ffn=None if is_moe else _load_dense(load, p, ""),
         moe=_load_moe(load, spec, p) if is_moe else None,
     )
 
 
-def _load_attention(load: _Loader, spec: ArchSpec, p: str) -> AttentionWeights:
-    bias = load if spec.qkv_bias else load.optional
-    has_norm = spec.qk_norm != QK_NORM_NONE
-    return AttentionWeights(
-        q=load(p + "attn_q.weight"), k=load(p + "attn_k.weight"), v=load(p + "attn_v.weight"),
-        out=load(p + "attn_output.weight"),
-        q_bias=bias(p + "attn_q.bias"), k_bias=bias(p + "attn_k.bias"), v_bias=bias(p + "attn_v.bias"),
-        q_norm=load.norm(p + "attn_q_norm.weight") if has_norm else None,
-        k_norm=load.norm(p + "attn_k_norm.weight") if has_norm else None,
-    )
-
-
-def _load_dense(load: _Loader, p: str, suffix: str) -> DenseFFNWeights:
+def _load_dense(load: WeightLoader, p: str, suffix: str) -> DenseFFNWeights:
     return DenseFFNWeights(gate=load(f"{p}ffn_gate{suffix}.weight"), up=load(f"{p}ffn_up{suffix}.weight"),
                            down=load(f"{p}ffn_down{suffix}.weight"))
 
 
-def _load_moe(load: _Loader, spec: ArchSpec, p: str) -> MoEWeights:
+def _load_moe(load: WeightLoader, spec: ArchSpec, p: str) -> MoEWeights:
     shared = None
     if spec.shared_expert != SHARED_EXPERT_NONE:
         shared = _load_dense(load, p, "_shexp")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
+from attention_service.attention import QK_NORM_NONE, MultiHeadAttention
 SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED = "none", "plain", "sigmoid_gated"
 
 
@@ -18,5 +18,7 @@ class ArchSpec:
     # Interleaved (GPT-J) rope pairs: llama.cpp's converter permutes Llama/Mixtral q/k rows for it.
     rope_interleaved: bool = False
     shared_expert: str = SHARED_EXPERT_NONE
+    # The attention class: loads its weights, declares its KV entries, computes a layer.
+    attention: type = MultiHeadAttention
     # ModelConfig values for metadata keys the architecture's files may omit.
     hparam_defaults: Mapping[str, Any] = field(default_factory=dict)
