@@ -158,7 +158,20 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             kv_cache_usage=1.0 - blocks.num_free_blocks / m.runner.kv.num_blocks,
             num_steps=m.engine.stats.num_steps, max_batch_seqs_seen=m.engine.stats.max_batch_seqs,
             max_batch_tokens_seen=m.engine.stats.max_batch_tokens)
+        await asyncio.to_thread(_add_expert_stats, stats, m)
         return stats
+
+
+def _add_expert_stats(stats: pb.AttentionStats, model: ServingModel) -> None:
+    """Per expert service health and hop figures, and tokens per expert (may ask the services)."""
+    hops = model.experts.stats()
+    for address, health in model.experts.health().items():
+        h = hops.get(address)
+        stats.hops.add(expert_address=address, healthy=health.healthy, num_hops=h.num_hops if h else 0,
+                       hop_s_total=h.hop_s_total if h else 0.0, compute_s_total=h.compute_s_total if h else 0.0,
+                       bytes_total=(h.sent_bytes + h.received_bytes) if h else 0)
+    for key, tokens in sorted(model.experts.expert_token_counts().items()):
+        stats.expert_tokens.add(layer=key.layer, expert=key.expert, tokens=tokens)
 
 
 def _top(model: ServingModel, token_id: int, logprob: float) -> pb.TopLogprob:
@@ -196,6 +209,7 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None)
     await server.stop(grace=5.0)
     if servicer.model is not None:
         servicer.model.engine.stop()
+        servicer.model.experts.close()
     elif servicer.load_error:
         raise SystemExit(f"attention service: model failed to load: {servicer.load_error}")
 

@@ -14,7 +14,8 @@ import torch
 
 from attention_service.detokenizer import Detokenizer
 from attention_service.engine import Engine
-from attention_service.experts_client import ExpertBackend, InProcessExperts
+from attention_service.experts_client import (ExpertBackend, ExpertsUnavailable, InProcessExperts, RemoteExperts,
+                                              RemoteExpertsSettings)
 from attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence, default_device
 from attention_service.request import GenerationRequest, OutputSink
 from attention_service.sampling import RequestSampler, SamplingOptions
@@ -27,14 +28,9 @@ from modelfile.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class ExpertsUnavailableError(RuntimeError):
-    """Fallback name when the remote transport is not in use (see classify_error)."""
-
-
 def classify_error(error: Exception) -> str:
     """'unavailable' for failures of the expert services (retryable), else 'internal'."""
-    names = {type(error).__name__, *(t.__name__ for t in type(error).__mro__)}
-    return "unavailable" if names & {"ExpertsUnavailable", "ExpertsUnavailableError"} else "internal"
+    return "unavailable" if isinstance(error, ExpertsUnavailable) else "internal"
 
 
 @dataclass
@@ -49,6 +45,10 @@ class ServingModel:
 
     def __post_init__(self):
         self._seq_ids = itertools.count()
+
+    @property
+    def experts(self) -> ExpertBackend:
+        return self.runner.model.experts
 
     @property
     def vocab_size(self) -> int:
@@ -106,4 +106,6 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
 def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:
     if not settings.expert_services:
         return InProcessExperts(g)
-    raise ValueError("--expert-services: remote expert services are not wired in yet")
+    return RemoteExperts(g, RemoteExpertsSettings(
+        addresses=settings.expert_services, expert_timeout_s=settings.expert_timeout_s,
+        local_layers=settings.local_expert_layers, transport=settings.transport))

@@ -11,7 +11,11 @@ import sys
 
 COMMAND_MODULES = (
     "splitmoe.commands.model",
+    "splitmoe.commands.serve_experts",
+    "splitmoe.commands.serve_gateway",
     "splitmoe.commands.serve_attention",
+    "splitmoe.commands.up",
+    "splitmoe.commands.healthcheck",
 )
 
 

@@ -1,0 +1,165 @@
+"""The expert service's gRPC surface: ExpertService plus the standard grpc.health.v1 service.
+
+Forward is one long-lived bidirectional stream per attention connection: one request per MoE
+layer per step, answered in order. A bad request is answered in-band (`error`), so one
+malformed message never tears down the stream the next layer needs.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
+
+from expert_service.settings import ExpertServiceSettings
+from expert_service.shard import HostedShard, ShardDescription, file_id, format_ranges
+from proto import codec, expert_pb2, expert_pb2_grpc
+from proto.shm import ShmMappings
+from splitmoe.telemetry import extract_grpc_context, tracer
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+SERVICE_NAME = "splitmoe.v1.ExpertService"
+
+
+class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
+    def __init__(self, hosted: HostedShard):
+        self.hosted = hosted
+        self._hostname = socket.gethostname()
+        self._file_id = file_id(hosted.g)
+        self._num_busy = 0  # requests being computed, for the shutdown drain
+        self._idle = threading.Condition()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until no request is being computed (streams may stay open), or the timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._num_busy == 0, timeout_s)
+
+    def DescribeShard(self, request: expert_pb2.DescribeShardRequest, context) -> expert_pb2.ShardInfo:
+        return self._shard_info(self.hosted.describe())
+
+    def LoadShard(self, request: expert_pb2.LoadShardRequest, context) -> expert_pb2.ShardInfo:
+        try:
+            described = self.hosted.load(request.layers, request.experts)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("loaded shard: %s", describe_shard(described))
+        return self._shard_info(described)
+
+    def GetStats(self, request: expert_pb2.StatsRequest, context) -> expert_pb2.ExpertStats:
+        counts = self.hosted.token_counts()
+        totals = self.hosted.totals()
+        return expert_pb2.ExpertStats(
+            layers=[k.layer for k in counts], experts=[k.expert for k in counts], tokens=list(counts.values()),
+            num_requests=totals.num_requests, compute_s_total=totals.compute_s)
+
+    def Forward(self, request_iterator: Iterator[expert_pb2.ExpertRequest], context) -> Iterator[expert_pb2.ExpertResponse]:
+        stream_context = extract_grpc_context(context.invocation_metadata())
+        mappings = ShmMappings()
+        try:
+            for request in request_iterator:
+                yield self._answer(request, mappings, stream_context)
+        finally:
+            mappings.close()
+
+    def _answer(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings, stream_context) -> expert_pb2.ExpertResponse:
+        with self._idle:
+            self._num_busy += 1
+        try:
+            return self._answer_traced(request, mappings, stream_context)
+        finally:
+            with self._idle:
+                self._num_busy -= 1
+                self._idle.notify_all()
+
+    def _answer_traced(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings,
+                       stream_context) -> expert_pb2.ExpertResponse:
+        parent = extract_grpc_context(request.trace_context.items()) if request.trace_context else stream_context
+        if not trace.get_current_span(parent).get_span_context().is_valid:
+            # No caller trace to join: a root span per layer call would be noise, and costs ~50 us.
+            return self._answer_in_band(request, mappings)
+        with _tracer.start_as_current_span("expert.forward", context=parent,
+                                           attributes={"splitmoe.layer": request.layer}):
+            return self._answer_in_band(request, mappings)
+
+    def _answer_in_band(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings) -> expert_pb2.ExpertResponse:
+        try:
+            return self._compute(request, mappings)
+        # Whatever one request does wrong, the stream must survive for the next layer.
+        except Exception as e:  # noqa: BLE001
+            trace.get_current_span().record_exception(e)
+            log.warning("forward layer %d: %s", request.layer, e)
+            return expert_pb2.ExpertResponse(step_id=request.step_id, layer=request.layer,
+                                             error=f"{type(e).__name__}: {e}")
+
+    def _compute(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings) -> expert_pb2.ExpertResponse:
+        hidden = codec.decode(request.hidden, mappings.get)
+        expert_ids = codec.decode(request.expert_ids, mappings.get)
+        expert_weights = codec.decode(request.expert_weights, mappings.get)
+        out, compute_s = self.hosted.forward(request.layer, hidden, expert_ids, expert_weights)
+        response = expert_pb2.ExpertResponse(step_id=request.step_id, layer=request.layer, compute_s=compute_s)
+        if request.HasField("output_shm"):
+            _write_output(codec.decode(request.output_shm, mappings.get), out)
+        else:
+            codec.encode(out, response.output)
+        return response
+
+    def _shard_info(self, described: ShardDescription) -> expert_pb2.ShardInfo:
+        g = self.hosted.g
+        return expert_pb2.ShardInfo(
+            model_name=str(g.get("general.name", g.path.stem)), arch=g.arch, file_id=self._file_id,
+            layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
+            num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads())
+
+
+def _write_output(slot: torch.Tensor, out: torch.Tensor) -> None:
+    if slot.shape != out.shape:
+        raise ValueError(f"output_shm has shape {list(slot.shape)}, the output is {list(out.shape)}")
+    slot.copy_(out)
+
+
+def describe_shard(described: ShardDescription) -> str:
+    if not described.layers:
+        return "no experts (waiting for LoadShard)"
+    return (f"{format_ranges('layers', described.layers)}, {format_ranges('experts', described.experts)}, "
+            f"{described.num_bytes} bytes")
+
+
+class ExpertServer:
+    """The running gRPC server: ExpertService and health, on one port, until stopped."""
+
+    def __init__(self, settings: ExpertServiceSettings, hosted: HostedShard):
+        self.settings = settings
+        self.servicer = ExpertServicer(hosted)
+        self.health = health.HealthServicer()
+        options = [("grpc.max_send_message_length", settings.max_message_bytes),
+                   ("grpc.max_receive_message_length", settings.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]  # a second server on our port must fail, not share it
+        self._server = grpc.server(futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="expert-rpc"),
+                                   options=options)
+        expert_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    def start(self) -> int:
+        """Bind and serve; returns the bound port."""
+        port = self._server.add_insecure_port(self.settings.address)
+        if port == 0:
+            raise OSError(f"expert service: cannot listen on {self.settings.address}")
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return port
+
+    def stop(self) -> None:
+        """Report NOT_SERVING, let requests being computed finish (within the grace period), then
+        close the idle streams at once, so their clients fail over instead of waiting out the grace."""
+        self.health.enter_graceful_shutdown()
+        self._server.stop(self.settings.shutdown_grace_s)  # refuses new calls from now on
+        self.servicer.wait_idle(self.settings.shutdown_grace_s)
+        self._server.stop(0).wait()

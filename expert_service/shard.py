@@ -1,0 +1,136 @@
+"""The shard this process serves: which (layer, expert) pairs, their FFN, and how busy each is.
+
+Wraps `modelfile.experts.ExpertShard` (memory-mapped views: building one touches no expert
+bytes) so that LoadShard can replace it while streams are open: a request reads the current
+shard once and finishes on it. Token counts are kept per (layer, expert) for load statistics.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
+from modelfile.gguf_file import GGUFFile
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def file_id(g: GGUFFile) -> str:
+    """Identity both services compare before trusting each other's expert ids."""
+    return f"{g.path.name}:{g.path.stat().st_size}"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardDescription:
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardTotals:
+    num_requests: int
+    compute_s: float
+
+
+class HostedShard:
+    """The replaceable expert shard of one GGUF file, with per-(layer, expert) token counts."""
+
+    def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None):
+        self.g = g
+        self.hidden_size = int(g.arch_require("embedding_length"))
+        self.num_experts = expert_count(g)
+        self.moe_layers = tuple(moe_layers(g))
+        num_blocks = int(g.arch_require("block_count"))
+        self._tokens = torch.zeros(num_blocks, self.num_experts, dtype=torch.int64)
+        self._lock = threading.Lock()
+        self._num_requests, self._compute_s = 0, 0.0
+        self._shard, self._hosted = self._build(layers, experts)
+
+    def describe(self) -> ShardDescription:
+        shard = self._shard
+        return ShardDescription(tuple(shard.layers), tuple(shard.experts), shard.num_bytes)
+
+    def load(self, layers: Iterable[int], experts: Iterable[int]) -> ShardDescription:
+        """Replace the hosted shard; requests already running finish on the old one."""
+        self._shard, self._hosted = self._build(layers, experts)
+        return self.describe()
+
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                expert_weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(this shard's part of the layer's expert sum in `hidden.dtype`, seconds computing it).
+
+        Ids this shard does not host (and -1, "computed elsewhere") add nothing.
+        """
+        shard, hosted = self._shard, self._hosted
+        self._check_inputs(hidden, expert_ids, expert_weights)
+        if hidden.shape[0] == 0:  # also the client's handshake: no layer needed
+            return torch.empty_like(hidden), 0.0
+        if layer not in shard.layers:
+            raise ValueError(f"layer {layer} is not hosted here ({format_ranges('layers', shard.layers)})")
+        start_s = time.perf_counter()
+        out = shard.forward(layer, hidden, expert_ids.long(), expert_weights)
+        compute_s = time.perf_counter() - start_s
+        self._count(layer, expert_ids, hosted, compute_s)
+        return out, compute_s
+
+    def token_counts(self) -> dict[ExpertKey, int]:
+        """Tokens routed to each hosted (layer, expert) since start."""
+        shard = self._shard
+        with self._lock:
+            rows = self._tokens[list(shard.layers)][:, list(shard.experts)].tolist() if shard.experts else []
+        return {ExpertKey(layer, expert): n
+                for layer, row in zip(shard.layers, rows) for expert, n in zip(shard.experts, row)}
+
+    def totals(self) -> ShardTotals:
+        with self._lock:
+            return ShardTotals(self._num_requests, self._compute_s)
+
+    def _build(self, layers: Iterable[int] | None, experts: Iterable[int] | None) -> tuple[ExpertShard, torch.Tensor]:
+        layers = self.moe_layers if layers is None else tuple(sorted(set(layers)))
+        experts = tuple(range(self.num_experts)) if experts is None else tuple(sorted(set(experts)))
+        if not set(layers) <= set(self.moe_layers):
+            raise ValueError(f"layers {sorted(set(layers) - set(self.moe_layers))} have no routed experts "
+                             f"(MoE layers: {format_ranges('layers', self.moe_layers)})")
+        if any(not 0 <= e < self.num_experts for e in experts):
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
+        if not layers or not experts:
+            layers, experts = (), ()  # half-empty is empty: nothing to compute
+        hosted = torch.zeros(self.num_experts, dtype=torch.int64)
+        hosted[list(experts)] = 1
+        return ExpertShard(self.g, layers, experts), hosted
+
+    def _check_inputs(self, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> None:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size or hidden.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"hidden must be [tokens, {self.hidden_size}] float, got {list(hidden.shape)} {hidden.dtype}")
+        if expert_ids.dim() != 2 or expert_ids.shape[0] != hidden.shape[0] or expert_ids.dtype not in _INT_DTYPES:
+            raise ValueError(f"expert_ids must be [{hidden.shape[0]}, top_k] int, got {list(expert_ids.shape)} {expert_ids.dtype}")
+        if expert_weights.shape != expert_ids.shape or expert_weights.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"expert_weights must be {list(expert_ids.shape)} float, got {list(expert_weights.shape)}")
+
+    def _count(self, layer: int, expert_ids: torch.Tensor, hosted: torch.Tensor, compute_s: float) -> None:
+        # Shifted by one so the -1 ("computed elsewhere") slots land in bin 0 and drop out.
+        shifted = expert_ids.reshape(-1).long() + 1
+        counts = torch.bincount(shifted, minlength=self.num_experts + 1)[1:self.num_experts + 1] * hosted
+        with self._lock:
+            self._tokens[layer] += counts
+            self._num_requests += 1
+            self._compute_s += compute_s
+
+
+def format_ranges(what: str, values: Iterable[int]) -> str:
+    """'layers 0-3,7' — compact, for one-line messages."""
+    values = sorted(values)
+    if not values:
+        return f"no {what}"
+    spans, start = [], values[0]
+    for prev, cur in zip(values, values[1:] + [None]):
+        if cur is None or cur != prev + 1:
+            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = cur
+    return f"{what} {','.join(spans)}"

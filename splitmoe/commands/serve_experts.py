@@ -1,0 +1,105 @@
+"""`splitmoe serve-experts`: one expert service hosting a shard of a GGUF file's routed experts."""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports stay inside the command
+    from expert_service.settings import ExpertServiceSettings
+    from expert_service.shard import HostedShard
+
+
+def _index_range(text: str) -> tuple[int, ...]:
+    """'4-7' or '5' -> (4, 5, 6, 7) / (5,), inclusive."""
+    try:
+        first, _, last = text.partition("-")
+        lo, hi = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want A-B or A, got {text!r}") from None
+    if lo < 0 or hi < lo:
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty or negative range")
+    return tuple(range(lo, hi + 1))
+
+
+def _cpu_list(text: str) -> frozenset[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}, as taskset and docker --cpuset-cpus write it."""
+    return frozenset(cpu for part in text.split(",") if part for cpu in _index_range(part))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve-experts", help="host a shard of a GGUF file's routed experts over gRPC")
+    p.add_argument("model", help="path to a GGUF file (memory-mapped; only this shard's bytes are read)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    p.add_argument("--layers", type=_index_range, help="block indices to host, A-B inclusive (default: all MoE layers)")
+    p.add_argument("--experts", type=_index_range, help="expert ids to host, X-Y inclusive (default: all)")
+    p.add_argument("--threads", type=int, help="torch threads for the expert kernels")
+    p.add_argument("--cpus", type=_cpu_list, help="pin the process to these CPUs, e.g. 0-7,16-23")
+    p.add_argument("--unassigned", action="store_true",
+                   help="start with no experts; the attention service assigns a shard with LoadShard")
+    p.set_defaults(run=cmd_serve_experts)
+
+
+def cmd_serve_experts(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from expert_service.settings import ExpertServiceSettings
+    from splitmoe.settings import otlp_endpoint
+
+    settings = ExpertServiceSettings(
+        model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
+        unassigned=args.unassigned, num_threads=args.threads, cpus=args.cpus, otlp_endpoint=otlp_endpoint())
+    return serve_experts(settings)
+
+
+def serve_experts(settings: ExpertServiceSettings) -> int:
+    """Load the shard, serve until SIGTERM/SIGINT, then drain and exit 0."""
+    import logging
+    import signal
+    import threading
+
+    from expert_service.server import ExpertServer, describe_shard
+    from splitmoe.settings import setup_logging
+    from splitmoe.telemetry import setup_tracing
+
+    setup_logging()
+    _apply_cpu_settings(settings)
+    setup_tracing("splitmoe-expert", settings.otlp_endpoint or None)
+    hosted = _hosted_shard(settings)
+    server = ExpertServer(settings, hosted)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    port = server.start()
+    logging.getLogger("splitmoe.serve_experts").info(
+        "ready on %s:%d: %s %s", settings.host, port, settings.model_path.name, describe_shard(hosted.describe()))
+    stop.wait()
+    server.stop()
+    return 0
+
+
+def _apply_cpu_settings(settings: ExpertServiceSettings) -> None:
+    import os
+
+    import torch
+
+    if settings.cpus is not None:
+        os.sched_setaffinity(0, settings.cpus)
+    if settings.num_threads is not None:
+        torch.set_num_threads(settings.num_threads)
+
+
+def _hosted_shard(settings: ExpertServiceSettings) -> HostedShard:
+    from expert_service.shard import HostedShard
+    from modelfile.gguf_file import GGUFFile
+
+    g = GGUFFile(settings.model_path)
+    if settings.unassigned:
+        return HostedShard(g, layers=(), experts=())
+    hosted = HostedShard(g, layers=())  # read the file's MoE layers first
+    layers = hosted.moe_layers if settings.layers is None else [i for i in settings.layers if i in hosted.moe_layers]
+    if not layers:
+        raise ValueError(f"--layers {settings.layers[0]}-{settings.layers[-1]}: no MoE layer in that range "
+                         f"(MoE layers: {list(hosted.moe_layers)})")
+    hosted.load(layers, settings.experts if settings.experts is not None else range(hosted.num_experts))
+    return hosted

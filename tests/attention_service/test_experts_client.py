@@ -1,0 +1,221 @@
+"""RemoteExperts against real `splitmoe serve-experts` processes on loopback ports.
+
+The transport seam: in-process, gRPC and shared memory give the same logits (demo model, and
+the llama.cpp qwen2moe fixture when present). Then placement: only routed rows are sent, token
+counts, local layers, services started empty, startup errors, and a replica killed mid-request.
+One service's deadlines and reconnects are in test_expert_service_client.py.
+"""
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from attention_service.experts_client import (ExpertsUnavailable, InProcessExperts,
+                                              RemoteExperts, RemoteExpertsSettings, resolve_addresses)
+from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from modelfile.experts import ExpertKey
+from modelfile.gguf_file import GGUFFile
+from splitmoe.demo_model import write_demo_model
+from tests.support.expert_services import ExpertServices
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+PROMPT = [5, 17, 30, 42, 7, 99, 250, 3, 11, 64, 128, 200, 271, 0]
+OPTIONS = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=64)
+FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "demo.gguf"
+    write_demo_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def services(demo_path, tmp_path_factory, request):
+    s = ExpertServices(tmp_path_factory.mktemp("logs"))
+    s.start("low", demo_path, "--experts", "0-3")
+    s.start("high", demo_path, "--experts", "4-7")
+    s.start("spare1", demo_path, "--unassigned")
+    s.start("spare2", demo_path, "--unassigned")
+    try:  # the fixture file's services start in the same wave: startup is mostly importing torch
+        s.fixture_path = request.getfixturevalue("fixtures_dir") / "qwen2moe" / "qwen2moe-q8_0.gguf"
+        s.start("fixture-low", s.fixture_path, "--experts", "0-7")
+        s.start("fixture-high", s.fixture_path, "--experts", "8-15")
+    except pytest.skip.Exception:
+        s.fixture_path = None
+    try:
+        s.wait()
+        yield s
+    finally:
+        s.stop_all()
+
+
+@contextmanager
+def remote(g, *addresses, **settings):
+    backend = RemoteExperts(g, RemoteExpertsSettings(tuple(addresses), **{**FAST, **settings}))
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def logits(path, backend=None, prompt=PROMPT):
+    runner = ModelRunner.from_gguf(path, OPTIONS, experts=backend)
+    return runner.step([Sequence(0, list(prompt))], all_logits=True)
+
+
+def routing(num_tokens, seed=0, hidden_size=64, num_experts=8, top_k=2):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    return torch.randn(num_tokens, hidden_size, generator=gen), ids, torch.rand(num_tokens, top_k, generator=gen)
+
+
+def no_regions_left():
+    return not [n for n in os.listdir("/dev/shm") if n.startswith(f"splitmoe-{os.getpid()}-")]
+
+
+# ---- the transport seam ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", "auto"])
+def test_same_logits_in_process_and_remote(services, demo_path, transport):
+    g = GGUFFile(demo_path)
+    expected = logits(demo_path, InProcessExperts(g))
+    with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
+        got = logits(demo_path, backend)
+        health = backend.health()
+        stats = backend.stats()
+    assert (got - expected).abs().max() <= 1e-5
+    assert {h.transport for h in health.values()} == {"grpc" if transport == "grpc" else "shm"}
+    for s in stats.values():  # one hop per MoE layer per step per service, plus nothing else
+        assert s.num_hops == 2 and s.sent_bytes > 0 and s.received_bytes > 0
+        assert s.hop_s_total >= s.compute_s_total > 0
+    assert no_regions_left()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_same_logits_on_the_llama_cpp_fixture(services, transport):
+    if services.fixture_path is None:
+        pytest.skip("../shared/fixtures not found: the llama.cpp-made fixtures live beside the clone in CI")
+    path = services.fixture_path
+    g = GGUFFile(path)
+    with remote(g, services.address("fixture-low"), services.address("fixture-high"), transport=transport) as backend:
+        got = logits(path, backend)
+    assert (got - logits(path, InProcessExperts(g))).abs().max() <= 1e-5
+
+
+def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_path):
+    g = GGUFFile(demo_path)
+    hidden, ids, weights = routing(7, seed=5)
+    expected = InProcessExperts(g).forward(1, hidden, ids, weights)
+    with remote(g, services.address("low"), services.address("high")) as backend:
+        got = backend.forward(1, hidden.bfloat16(), ids, weights)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_only_routed_rows_are_sent(services, demo_path):
+    g = GGUFFile(demo_path)
+    hidden, _, weights = routing(6)
+    ids = torch.tensor([[0, 1]] * 5 + [[4, 2]])  # only the last token needs the high half
+    with remote(g, services.address("low"), services.address("high"), transport="grpc") as backend:
+        backend.forward(0, hidden, ids, weights)
+        stats = backend.stats()
+    high = stats[services.address("high")]
+    assert high.received_bytes == 1 * 64 * 4 and stats[services.address("low")].received_bytes == 6 * 64 * 4
+
+
+# ---- placement ------------------------------------------------------------------------------
+
+def test_tokens_per_expert_match_the_routing_sent(services, demo_path):
+    g = GGUFFile(demo_path)
+    hidden, ids, weights = routing(40, seed=1)
+    with remote(g, services.address("low"), services.address("high")) as backend:
+        before = backend.expert_token_counts()
+        backend.forward(1, hidden, ids, weights)
+        after = backend.expert_token_counts()
+    sent = torch.bincount(ids.reshape(-1), minlength=8).tolist()
+    assert {k: after[k] - before.get(k, 0) for k in after if k.layer == 1} == {ExpertKey(1, e): sent[e] for e in range(8)}
+    assert all(after[k] == before.get(k, 0) for k in after if k.layer == 0)
+
+
+def test_local_layers_are_never_sent(services, demo_path):
+    g = GGUFFile(demo_path)
+    with remote(g, services.address("low"), services.address("high"), local_layers=1) as backend:
+        before = backend.expert_token_counts()
+        got = logits(demo_path, backend)
+        after = backend.expert_token_counts()
+        hops = {s.num_hops for s in backend.stats().values()}
+    assert (got - logits(demo_path, InProcessExperts(g))).abs().max() <= 1e-5
+    assert hops == {1}  # layer 1 only
+    assert all(after[k] == before[k] for k in after if k.layer == 0)
+
+
+def test_unassigned_services_get_the_experts_split_evenly(services, demo_path):
+    g = GGUFFile(demo_path)
+    with remote(g, services.address("spare1"), services.address("spare2")) as backend:
+        shards = [h.shard for h in backend.health().values()]
+        got = logits(demo_path, backend)
+    assert [(s.layers, s.experts) for s in shards] == [((0, 1), (0, 1, 2, 3)), ((0, 1), (4, 5, 6, 7))]
+    assert (got - logits(demo_path, InProcessExperts(g))).abs().max() <= 1e-5
+
+
+def test_startup_fails_with_one_line_when_experts_have_no_service(services, demo_path):
+    with pytest.raises(ExpertsUnavailable) as e:
+        with remote(GGUFFile(demo_path), services.address("low")):
+            pass
+    message = str(e.value)
+    assert "\n" not in message and "L0.E4" in message and services.address("low") in message
+
+
+def test_startup_fails_with_one_line_when_a_service_never_answers(demo_path):
+    silent = f"127.0.0.1:{free_port()}"
+    start_s = time.monotonic()
+    with pytest.raises(ExpertsUnavailable, match=silent):
+        with remote(GGUFFile(demo_path), silent, startup_wait_s=0.5):
+            pass
+    assert time.monotonic() - start_s < 5
+
+
+def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
+    real = socket.getaddrinfo
+
+    def compose_dns(host, port, family=0, kind=0, *args):
+        if host != "expert":
+            return real(host, port, family, kind, *args)
+        if family != socket.AF_INET:
+            raise socket.gaierror("no IPv6 here")
+        return [(family, kind, 6, "", (f"172.18.0.{i}", int(port))) for i in (3, 4, 3)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", compose_dns)
+    assert resolve_addresses(["expert:50061", "127.0.0.1:7", "localhost:8"]) == [
+        "172.18.0.3:50061", "172.18.0.4:50061", "127.0.0.1:7", "localhost:8"]
+
+
+# ---- replicas -------------------------------------------------------------------------------
+
+def test_replica_killed_mid_request_is_retried_on_another(services, demo_path):
+    g = GGUFFile(demo_path)
+    expected = logits(demo_path, InProcessExperts(g))
+    addresses = [services.address(n) for n in ("low", "high", "spare1", "spare2")]
+    with remote(g, *addresses) as backend:  # the spares host 0-3 and 4-7 too: replicas
+        assert (logits(demo_path, backend) - expected).abs().max() <= 1e-5
+        hops = {a: s.num_hops for a, s in backend.stats().items()}
+        assert hops == dict.fromkeys(addresses, 1)  # replicas take turns by layer: layer 1 went to the spares
+        services.pause("spare2")  # it takes the next layer-1 request and never answers...
+        result = {}
+        step = threading.Thread(target=lambda: result.update(logits=logits(demo_path, backend)))
+        start_s = time.monotonic()
+        step.start()
+        time.sleep(0.5)
+        services.kill("spare2")  # ...then dies with the request in flight
+        step.join(30)
+        assert time.monotonic() - start_s < FAST["expert_timeout_s"]  # failed over, not timed out
+        assert (result["logits"] - expected).abs().max() <= 1e-5
+        assert not backend.health()[services.address("spare2")].healthy
+        assert (logits(demo_path, backend) - expected).abs().max() <= 1e-5

@@ -1,0 +1,234 @@
+"""The expert service over real gRPC: `splitmoe serve-experts` processes on loopback ports.
+
+One service hosts experts 0-3 of the demo model; one starts `--unassigned`. Streams are driven
+by hand here (the attention-side client has its own tests), so every field is checked as sent.
+"""
+import queue
+import signal
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from modelfile.experts import ExpertKey, ExpertShard
+from modelfile.gguf_file import GGUFFile
+from proto import codec, expert_pb2, expert_pb2_grpc
+from proto.shm import ShmArena
+from splitmoe.demo_model import write_demo_model
+from tests.support.processes import free_port, grpc_service, spawn, wait_grpc_serving
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "demo.gguf"
+    write_demo_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(demo_path, tmp_path_factory):
+    port = free_port()
+    args = ["serve-experts", str(demo_path), "--port", str(port), "--experts", "0-3", "--threads", "1"]
+    with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "experts.log"):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield expert_pb2_grpc.ExpertServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def unassigned(demo_path, tmp_path_factory):
+    port = free_port()
+    args = ["serve-experts", str(demo_path), "--port", str(port), "--unassigned"]
+    with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "unassigned.log"):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield expert_pb2_grpc.ExpertServiceStub(channel)
+
+
+class Stream:
+    """One open Forward stream: send a request, read its answer."""
+
+    def __init__(self, stub):
+        self._requests = queue.SimpleQueue()
+        self._responses = stub.Forward(iter(self._requests.get, None), timeout=60)
+
+    def ask(self, request: expert_pb2.ExpertRequest) -> expert_pb2.ExpertResponse:
+        self._requests.put(request)
+        return next(self._responses)
+
+    def close(self):
+        self._requests.put(None)
+
+
+def request(layer, hidden, expert_ids, expert_weights, step_id=1):
+    r = expert_pb2.ExpertRequest(step_id=step_id, layer=layer)
+    codec.encode(hidden, r.hidden)
+    codec.encode(expert_ids.to(torch.int32), r.expert_ids)
+    codec.encode(expert_weights, r.expert_weights)
+    return r
+
+
+def routing(num_tokens, seed=0, num_experts=8, top_k=2):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    return hidden, ids, torch.rand(num_tokens, top_k, generator=gen)
+
+
+def test_health_and_shard_description(service, demo_path):
+    info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])
+    assert info.arch == "qwen3moe" and info.hidden_size == HIDDEN and info.num_threads == 1
+    assert info.file_id == f"demo.gguf:{demo_path.stat().st_size}"
+    assert info.num_bytes == ExpertShard(GGUFFile(demo_path), experts=range(4)).num_bytes
+    assert info.hostname
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_matches_the_shard_in_process(service, demo_path, dtype):
+    reference = ExpertShard(GGUFFile(demo_path), experts=range(4))
+    stream = Stream(service)
+    try:
+        for layer in (0, 1):
+            hidden, ids, weights = routing(9, seed=layer)
+            hidden = hidden.to(dtype)
+            answer = stream.ask(request(layer, hidden, ids, weights, step_id=7 + layer))
+            assert not answer.error and (answer.step_id, answer.layer) == (7 + layer, layer)
+            assert answer.compute_s > 0
+            expected = reference.forward(layer, hidden, ids, weights)
+            assert torch.equal(codec.decode(answer.output), expected)
+    finally:
+        stream.close()
+
+
+def test_bad_requests_are_answered_in_band_and_the_stream_survives(service):
+    stream = Stream(service)
+    try:
+        hidden, ids, weights = routing(4)
+        good = stream.ask(request(0, hidden, ids, weights)).output
+        bad = [request(0, torch.randn(4, HIDDEN + 1), ids, weights),      # wrong hidden size
+               request(5, hidden, ids, weights),                          # a layer nobody hosts
+               request(0, hidden, ids[:3], weights[:3]),                  # routing rows != tokens
+               expert_pb2.ExpertRequest(layer=0)]                         # no tensors at all
+        bad[0].hidden.data = bad[0].hidden.data[:-4]                      # and a truncated payload
+        for r in bad:
+            answer = stream.ask(r)
+            assert answer.error and not answer.HasField("output")
+        assert "hidden" in stream.ask(request(0, torch.randn(4, HIDDEN + 1), ids, weights)).error
+        assert stream.ask(request(0, hidden, ids, weights)).output == good
+    finally:
+        stream.close()
+
+
+def test_forward_through_shared_memory(service, demo_path):
+    reference = ExpertShard(GGUFFile(demo_path), experts=range(4))
+    hidden, ids, weights = routing(6)
+    arena = ShmArena(1 << 16)
+    stream = Stream(service)
+    try:
+        arena.reset(1 << 16)
+        r = expert_pb2.ExpertRequest(step_id=1, layer=1)
+        for msg, tensor in ((r.hidden, hidden), (r.expert_ids, ids.to(torch.int32)), (r.expert_weights, weights)):
+            slot, offset = arena.alloc(tuple(tensor.shape), tensor.dtype)
+            slot.copy_(tensor)
+            codec.encode_shm(tuple(tensor.shape), tensor.dtype, arena.name, offset, out=msg)
+        out, offset = arena.alloc((6, HIDDEN), torch.float32)
+        codec.encode_shm((6, HIDDEN), torch.float32, arena.name, offset, out=r.output_shm)
+        answer = stream.ask(r)
+        assert not answer.error and not answer.HasField("output")
+        assert torch.equal(out, reference.forward(1, hidden, ids, weights))
+        r.hidden.shm.region = "splitmoe-1-0"  # a region that does not exist: in-band, stream lives
+        assert "splitmoe-1-0" in stream.ask(r).error
+    finally:
+        stream.close()
+        arena.close()
+
+
+def test_unassigned_service_loads_a_shard_and_counts_its_tokens(unassigned):
+    info = unassigned.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert not info.layers and not info.experts and info.num_bytes == 0
+    stream = Stream(unassigned)
+    try:
+        hidden, ids, weights = routing(20, seed=3)
+        assert "not hosted" in stream.ask(request(1, hidden, ids, weights)).error
+        loaded = unassigned.LoadShard(expert_pb2.LoadShardRequest(layers=[1], experts=[2, 3, 4]), timeout=10)
+        assert (list(loaded.layers), list(loaded.experts)) == ([1], [2, 3, 4]) and loaded.num_bytes > 0
+        ids[0, 0] = -1  # "computed elsewhere": skipped, not counted
+        assert not stream.ask(request(1, hidden, ids, weights)).error
+    finally:
+        stream.close()
+    stats = unassigned.GetStats(expert_pb2.StatsRequest(), timeout=10)
+    counts = {ExpertKey(l, e): n for l, e, n in zip(stats.layers, stats.experts, stats.tokens)}
+    sent = torch.bincount(ids[ids >= 0].reshape(-1), minlength=8)
+    assert counts == {ExpertKey(1, e): int(sent[e]) for e in (2, 3, 4)}
+    assert stats.num_requests == 1 and stats.compute_s_total > 0
+
+
+@pytest.mark.parametrize("layers, experts", [([7], [0]), ([0], [99]), ([0], [-1])])
+def test_load_shard_rejects_what_the_file_lacks(unassigned, layers, experts):
+    with pytest.raises(grpc.RpcError) as e:
+        unassigned.LoadShard(expert_pb2.LoadShardRequest(layers=layers, experts=experts), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_span_per_layer_call_parented_by_the_callers_trace(demo_path):
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from expert_service.server import ExpertServer
+    from expert_service.settings import ExpertServiceSettings
+    from expert_service.shard import HostedShard
+    from splitmoe.telemetry import inject_grpc_metadata, setup_tracing
+
+    spans = InMemorySpanExporter()
+    setup_tracing("test-experts", extra_processors=[SimpleSpanProcessor(spans)])
+    server = ExpertServer(ExpertServiceSettings(demo_path, port=0), HostedShard(GGUFFile(demo_path)))
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = expert_pb2_grpc.ExpertServiceStub(channel)
+            with trace.get_tracer("test").start_as_current_span("decode step") as step:
+                r = request(0, *routing(2))
+                r.trace_context.update(inject_grpc_metadata())
+                answer = next(stub.Forward(iter([r]), timeout=30))
+        assert not answer.error
+        served = [s for s in spans.get_finished_spans() if s.name == "expert.forward"]
+        assert served and served[-1].parent.span_id == step.get_span_context().span_id
+        assert served[-1].context.trace_id == step.get_span_context().trace_id
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_and_exits_cleanly(demo_path, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "experts.log"
+    proc = spawn(["serve-experts", str(demo_path), "--port", str(port), "--layers", "1-1", "--cpus", "0"], log_path)
+    try:
+        wait_grpc_serving(f"127.0.0.1:{port}", 60, proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="splitmoe.v1.ExpertService"), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            stream = Stream(expert_pb2_grpc.ExpertServiceStub(channel))
+            assert not stream.ask(request(1, *routing(2))).error  # an open, idle stream
+            start_s = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            assert time.monotonic() - start_s < 3  # the idle stream did not hold shutdown for the grace period
+            with pytest.raises(grpc.RpcError):
+                stream.ask(request(1, *routing(2)))
+    finally:
+        proc.kill()
+    log = log_path.read_text()
+    assert f"ready on 127.0.0.1:{port}: demo.gguf layers 1, experts 0-7" in log
+
+
+def test_bad_command_lines_fail_with_one_line(demo_path, tmp_path):
+    from splitmoe.cli import main
+
+    assert main(["serve-experts", str(demo_path), "--port", "1", "--unassigned", "--experts", "0-3"]) == 2
+    assert main(["serve-experts", str(tmp_path / "missing.gguf"), "--port", "1"]) == 2

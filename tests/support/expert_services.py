@@ -1,0 +1,52 @@
+"""`splitmoe serve-experts` processes for tests: started together, killed or restarted by name.
+
+Starting a service is mostly importing torch, so a test module starts all it needs in one wave.
+"""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from tests.support.processes import free_port, spawn, wait_grpc_serving
+
+
+class ExpertServices:
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs, self.args, self.ports = {}, {}, {}
+
+    def start(self, name: str, model: Path, *args: str) -> str:
+        """Spawn without waiting (see `wait`); returns the address."""
+        self.ports[name] = free_port()
+        self.args[name] = ["serve-experts", str(model), "--port", str(self.ports[name]), "--threads", "1", *args]
+        self.procs[name] = spawn(self.args[name], self.log_dir / f"{name}.log")
+        return self.address(name)
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def wait(self, timeout_s: float = 90.0) -> None:
+        for name, proc in self.procs.items():
+            wait_grpc_serving(self.address(name), timeout_s, proc)
+
+    def kill(self, name: str) -> None:
+        """kill -9: no goodbye on any stream."""
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP: connections stay open, nothing is answered (a hung service)."""
+        self.procs[name].send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGCONT)
+
+    def restart(self, name: str, timeout_s: float = 90.0) -> None:
+        """The same command on the same port."""
+        self.procs[name] = spawn(self.args[name], self.log_dir / f"{name}-restarted.log")
+        wait_grpc_serving(self.address(name), timeout_s, self.procs[name])
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
