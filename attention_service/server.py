@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 import uuid
 from typing import AsyncIterator
@@ -186,8 +187,10 @@ def _token_out(model: ServingModel, token_id: int, logprob: float, top) -> pb.To
                        token_bytes=t.token_bytes(token_id), top=[_top(model, i, lp) for i, lp in top])
 
 
-async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM/SIGINT; in-flight requests are drained for up to the grace period."""
+async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
+                external_stop: threading.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or `external_stop`, for servers run in a thread); in-flight requests
+    are drained for up to the grace period."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
                                       ("grpc.max_receive_message_length", 256 << 20)])
     servicer = AttentionServicer()
@@ -201,6 +204,9 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None)
     await server.start()
     log.info("attention service listening on %s, loading %s", address, settings.model_path)
     stop = _stop_event()
+    if external_stop is not None:
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, lambda: (external_stop.wait(), loop.call_soon_threadsafe(stop.set)))
     loader = asyncio.create_task(_load(servicer, health, settings, stop))
     if ready is not None:
         loader.add_done_callback(lambda _: ready.set())
