@@ -28,14 +28,18 @@ class Rope:
 
     `interleaved` rotates pairs (2i, 2i+1) (llama.cpp's "norm" rope: Llama/Mixtral files, whose q/k
     rows the converter permuted); otherwise pairs (i, i + dims/2) (NeoX: Qwen, OLMoE, gpt-oss).
+    `magnitude`, when given, replaces the cos/sin magnitude the scaling implies (DeepSeek's YaRN
+    moves it into the attention scale instead).
     """
 
     def __init__(self, dims: int, theta: float, interleaved: bool, scaling: RopeScaling | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, magnitude: float | None = None):
         self.dims = dims
         self.interleaved = interleaved
         inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
         inv_freq, self.magnitude = _apply_scaling(inv_freq, scaling, theta, dims)
+        if magnitude is not None:
+            self.magnitude = magnitude
         self.inv_freq = inv_freq.to(device)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,9 @@ class MoETransformer:
             f = layer.dense_ffn
             return swiglu(h, f.gate, f.up, f.down)
         w, c = layer.moe, self.cfg
-        ids, weights = route(linear(h32, w.router), c.num_experts_used, c.expert_gating,
-                             c.expert_weights_norm, c.expert_weights_scale)
+        ids, weights = route(linear(h32, w.router, w.router_bias), c.num_experts_used, c.expert_gating,
+                             c.expert_weights_norm, c.expert_weights_scale, selection_bias=w.selection_bias,
+                             num_groups=c.num_expert_groups, num_groups_used=c.num_expert_groups_used)
         out = self.experts.forward(i, h, ids, weights).float()
         if w.shared is not None:
             shared = swiglu(h, w.shared.gate, w.shared.up, w.shared.down).float()

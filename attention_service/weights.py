@@ -30,6 +30,9 @@ class MoEWeights:
     router: torch.Tensor
     shared: DenseFFNWeights | None = None
     shared_gate: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None  # gpt-oss
+    # DeepSeek-V3 `exp_probs_b.bias` [E] float32: steers which experts win, not their weights.
+    selection_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,7 +71,7 @@ def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) ->
     return LayerWeights(
         attn_norm=load.norm(p + "attn_norm.weight"),
         attn=spec.attention.load_weights(load, spec, p),
-        ffn_norm=load.norm(p + "ffn_norm.weight"),
+        ffn_norm=load.norm(f"{p}{spec.ffn_norm}.weight"),
         dense_ffn=None if is_moe else _load_dense(load, p, ""),
         moe=_load_moe(load, spec, p) if is_moe else None,
     )
@@ -90,4 +93,6 @@ def _load_moe(load: WeightLoader, spec: ArchSpec, p: str) -> MoEWeights:
     router = load.norm(p + "ffn_gate_inp.weight")
     if router.ndim != 2:
         raise GGUFError(f"{load.g.path.name}: tensor {p}ffn_gate_inp.weight has shape {list(router.shape)}, expected 2-D")
-    return MoEWeights(router=router, shared=shared, shared_gate=shared_gate)
+    return MoEWeights(router=router, shared=shared, shared_gate=shared_gate,
+                      router_bias=load.optional(p + "ffn_gate_inp.bias", torch.float32),
+                      selection_bias=load.optional(p + "exp_probs_b.bias", torch.float32))

@@ -2,6 +2,7 @@
 
     hidden [T, D], expert_ids [T, K], expert_weights [T, K]  ->  out [T, D]
     out[t] = sum_k expert_weights[t, k] * FFN_{expert_ids[t, k]}(hidden[t])
+    FFN(x) = down @ act(gate @ x + gate_bias, up @ x + up_bias) + down_bias   (biases: gpt-oss)
 
 Tokens are grouped by expert so each active expert's weights are touched once per call. This is
 the reference path: dequantize the active experts, matmul in float32. An expert id that the given
@@ -19,17 +20,36 @@ import torch.nn.functional as F
 from kernels.quants import QuantTensor, dequantize
 
 
+# The gated activation between up/gate and down: act(gate, up) -> [n, ffn].
+ACT_SILU = "silu"  # silu(gate) * up: Qwen, Mixtral, OLMoE, DeepSeek
+ACT_SWIGLU_OAI = "swiglu_oai"  # gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai)
+# gpt-oss fixes these in its code (transformers' swiglu_alpha/limit, llama.cpp's constants).
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
 @dataclass(frozen=True)
 class ExpertFFN:
-    """One expert's SwiGLU FFN, still quantized: gate, up [ffn, D]; down [D, ffn]."""
+    """One expert's gated FFN, still quantized: gate, up [ffn, D]; down [D, ffn].
+
+    Optional float32 biases (gpt-oss): gate and up [ffn], down [D].
+    """
 
     gate: QuantTensor
     up: QuantTensor
     down: QuantTensor
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: str = ACT_SILU
+
+    def __post_init__(self) -> None:
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r}: want one of {', '.join(_ACTIVATIONS)}")
 
     @property
     def num_bytes(self) -> int:
-        return self.gate.num_bytes + self.up.num_bytes + self.down.num_bytes
+        biases = (b for b in (self.gate_bias, self.up_bias, self.down_bias) if b is not None)
+        return self.gate.num_bytes + self.up.num_bytes + self.down.num_bytes + sum(b.nbytes for b in biases)
 
 
 def group_by_expert(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,13 +82,32 @@ def moe_forward(
         ffn = experts.get(expert)
         if ffn is not None:
             tokens = token_of_slot[start:end]
-            y = _swiglu(x[tokens], ffn) * slot_weights[start:end, None]
+            y = _expert_ffn(x[tokens], ffn) * slot_weights[start:end, None]
             out.index_add_(0, tokens, y)
         start = end
     return out.to(hidden.dtype)
 
 
-def _swiglu(x: torch.Tensor, ffn: ExpertFFN) -> torch.Tensor:
-    gate = x @ dequantize(ffn.gate).T
-    up = x @ dequantize(ffn.up).T
-    return (F.silu(gate) * up) @ dequantize(ffn.down).T
+def _expert_ffn(x: torch.Tensor, ffn: ExpertFFN) -> torch.Tensor:
+    gate = _matmul(x, ffn.gate, ffn.gate_bias)
+    up = _matmul(x, ffn.up, ffn.up_bias)
+    return _matmul(_ACTIVATIONS[ffn.activation](gate, up), ffn.down, ffn.down_bias)
+
+
+def _matmul(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x @ dequantize(weight).T
+    return y if bias is None else y + bias.float()
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss: gate clamped above, up clamped both ways, a sharper sigmoid, and up shifted by one."""
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+_ACTIVATIONS = {ACT_SILU: silu_glu, ACT_SWIGLU_OAI: swiglu_oai}

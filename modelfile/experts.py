@@ -11,10 +11,14 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from kernels.moe import ExpertFFN, moe_forward
+from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
+from kernels.quants import dequantize
 from modelfile.gguf_file import GGUFError, GGUFFile
 
 _MATRICES = ("gate", "up", "down")
+# The expert activation is fixed by the architecture's code, not stored in the file (as in
+# llama.cpp's graphs); every architecture not named here uses SiLU-gated experts.
+_ACTIVATION_BY_ARCH = {"gpt-oss": ACT_SWIGLU_OAI}
 
 
 class ExpertKey(NamedTuple):
@@ -40,7 +44,10 @@ def load_layer_experts(g: GGUFFile, layer: int, experts: Iterable[int]) -> dict[
     if g.has(f"blk.{layer}.ffn_gate_exps.weight"):
         stacked = [g.tensor(f"blk.{layer}.ffn_{m}_exps.weight") for m in _MATRICES]
         _check_stacked(g, layer, stacked)
-        return {e: ExpertFFN(*(t[e] for t in stacked)) for e in experts}
+        biases = _stacked_biases(g, layer, stacked)
+        activation = _ACTIVATION_BY_ARCH.get(g.arch, ACT_SILU)
+        return {e: ExpertFFN(*(t[e] for t in stacked), *(None if b is None else b[e] for b in biases),
+                             activation=activation) for e in experts}
     if g.has(f"blk.{layer}.ffn_gate.0.weight"):
         return {e: ExpertFFN(*(g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight") for m in _MATRICES)) for e in experts}
     raise GGUFError(f"{g.path.name}: missing tensor 'blk.{layer}.ffn_gate_exps.weight' (layer {layer} has a router)")
@@ -51,6 +58,22 @@ def _check_stacked(g: GGUFFile, layer: int, stacked) -> None:
     for t in stacked:
         if len(t.shape) != 3 or t.shape[0] != n:
             raise GGUFError(f"{g.path.name}: tensor {t.name!r} has shape {list(t.shape)}, expected [{n}, *, *]")
+
+
+def _stacked_biases(g: GGUFFile, layer: int, stacked) -> list[torch.Tensor | None]:
+    """gpt-oss's `ffn_{gate,up,down}_exps.bias` [n_expert, out] as float32, or None where absent.
+
+    Copied at load: they are tiny beside the matrices, and a view would be dequantized per call.
+    """
+    biases = []
+    for m, weight in zip(_MATRICES, stacked):
+        name = f"blk.{layer}.ffn_{m}_exps.bias"
+        bias = dequantize(g.tensor(name)) if g.has(name) else None
+        if bias is not None and tuple(bias.shape) != tuple(weight.shape[:2]):
+            raise GGUFError(f"{g.path.name}: tensor {name!r} has shape {list(bias.shape)}, "
+                            f"expected {list(weight.shape[:2])}")
+        biases.append(bias)
+    return biases
 
 
 class ExpertShard:

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from modelfile.gguf_file import GGUFError, GGUFFile
 
 GATING_SOFTMAX, GATING_SIGMOID = "softmax", "sigmoid"
+GATING_SOFTMAX_WEIGHT = "softmax_weight"  # softmax over the chosen top-k logits only (gpt-oss)
 _GATING_BY_CODE = {1: GATING_SOFTMAX, 2: GATING_SIGMOID}
 
 
@@ -45,6 +46,15 @@ class ModelConfig:
     expert_weights_norm: bool
     expert_weights_scale: float
     sliding_window_tokens: int
+    # MLA (deepseek2): q/kv LoRA ranks (q 0: no q LoRA, as V2-Lite) and each head's key (no-rope
+    # + rope) and value dims, which the file's key/value_length (the absorbed MQA view) are not.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    mla_key_head_dim: int = 0
+    mla_value_head_dim: int = 0
+    # Grouped top-k (DeepSeek-V3): only experts of the best `num_expert_groups_used` groups compete.
+    num_expert_groups: int = 0
+    num_expert_groups_used: int = 0
 
     @classmethod
     def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None) -> "ModelConfig":
@@ -86,6 +96,12 @@ class ModelConfig:
             expert_weights_norm=bool(opt("expert_weights_norm", "expert_weights_norm", False)),
             expert_weights_scale=float(opt("expert_weights_scale", "expert_weights_scale", 1.0)),
             sliding_window_tokens=int(g.arch_get("attention.sliding_window", 0)),
+            q_lora_rank=int(g.arch_get("attention.q_lora_rank", 0)),
+            kv_lora_rank=int(g.arch_get("attention.kv_lora_rank", 0)),
+            mla_key_head_dim=int(g.arch_get("attention.key_length_mla", 0)),
+            mla_value_head_dim=int(g.arch_get("attention.value_length_mla", 0)),
+            num_expert_groups=int(g.arch_get("expert_group_count", 0)),
+            num_expert_groups_used=int(g.arch_get("expert_group_used_count", 0)),
         )
 
 

@@ -1,9 +1,10 @@
 """Architecture registry: GGUF `general.architecture` -> its ArchSpec. Filled here, read-only after."""
-from attention_service.models import mixtral, olmoe, qwen2moe, qwen3moe
+from attention_service.models import deepseek2, gpt_oss, mixtral, olmoe, qwen2moe, qwen3moe
 from attention_service.models.base import ArchSpec
 from modelfile.gguf_file import GGUFError
 
-ARCHS: dict[str, ArchSpec] = {m.SPEC.gguf_arch: m.SPEC for m in (qwen3moe, qwen2moe, mixtral, olmoe)}
+ARCHS: dict[str, ArchSpec] = {m.SPEC.gguf_arch: m.SPEC for m in (qwen3moe, qwen2moe, mixtral, olmoe, gpt_oss,
+                                                          deepseek2)}
 
 
 def arch_spec(gguf_arch: str, file_name: str = "model") -> ArchSpec:

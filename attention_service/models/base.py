@@ -22,3 +22,10 @@ class ArchSpec:
     attention: type = MultiHeadAttention
     # ModelConfig values for metadata keys the architecture's files may omit.
     hparam_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Per-head learned logits joining each attention softmax (gpt-oss `attn_sinks.weight`).
+    attention_sinks: bool = False
+    # In each group of this many layers all but the last use `attention.sliding_window`
+    # (llama.cpp's swa pattern); 0: every layer attends to the whole context.
+    sliding_window_pattern: int = 0
+    # GGUF name of the norm before the FFN: `ffn_norm`, or gpt-oss's `post_attention_norm`.
+    ffn_norm: str = "ffn_norm"

@@ -5,6 +5,8 @@ runtime serves, so tests can make GGUFs of any size and config without llama.cpp
 
     Qwen3MoeForCausalLM -> qwen3moe     Qwen2MoeForCausalLM -> qwen2moe
     MixtralForCausalLM  -> llama        OlmoeForCausalLM    -> olmoe
+    GptOssForCausalLM   -> gpt-oss
+    DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> deepseek2
 
 What the converter does, and this helper too (see ../shared/fixtures/README.md):
 * tensors keep torch order here; GGUFWriter lists the dims fastest-first;
@@ -35,6 +37,9 @@ ARCH_BY_CLASS = {
     "Qwen2MoeForCausalLM": "qwen2moe",
     "MixtralForCausalLM": "llama",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt-oss",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }
 
 _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -90,6 +95,8 @@ def hparams(config) -> dict[str, Any]:
 
 
 def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+    if arch == "deepseek2":
+        hp = _deepseek2_view(hp)
     # TextModel.set_gguf_parameters: the keys every architecture gets.
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
@@ -115,6 +122,10 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
     if arch == "llama":
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(hp.get("head_dim", hp["hidden_size"] // hp["num_attention_heads"]))
+    if arch == "gpt-oss":
+        _write_gpt_oss_hparams(w, hp)
+    if arch == "deepseek2":
+        _write_deepseek2_hparams(w, hp)
 
 
 def _rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
@@ -210,6 +221,10 @@ _NAME_MAP = [(re.compile(pattern), gguf_name) for pattern, gguf_name in [
 def gguf_tensors(model: torch.nn.Module, per_expert_tensors: bool = False) -> dict[str, torch.Tensor]:
     """GGUF name -> float32 tensor in torch order, laid out as llama.cpp's converter writes it."""
     arch = arch_of(model)
+    if arch == "gpt-oss":
+        return gpt_oss_tensors(model)
+    if arch == "deepseek2":
+        return deepseek2_tensors(model)
     hp = hparams(model.config)
     state = _stack_experts(_split_state(model, hp))
     out: dict[str, torch.Tensor] = {}
@@ -311,3 +326,139 @@ def _encode(name: str, tensor: torch.Tensor, tensor_type: GGMLQuantizationType) 
     if data.shape[-1] % gguf.GGML_QUANT_SIZES[Q8_0][0]:
         return data.astype(np.float16), None  # llama-quantize's fallback for rows no block divides
     return gguf.quants.quantize(data, Q8_0), Q8_0
+
+
+# ---- gpt-oss (GptOssModel in convert_hf_to_gguf.py) ------------------------------------------
+
+_GPT_OSS_NAMES = [(re.compile(pattern), gguf_name) for pattern, gguf_name in [
+    (r"model\.embed_tokens\.weight", "token_embd.weight"),
+    (r"model\.norm\.weight", "output_norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (_LAYER + r"input_layernorm\.weight", "blk.{i}.attn_norm.weight"),
+    (_LAYER + r"post_attention_layernorm\.weight", "blk.{i}.post_attention_norm.weight"),
+    (_LAYER + r"self_attn\.(?P<p>[qkv])_proj\.(?P<kind>weight|bias)", "blk.{i}.attn_{p}.{kind}"),
+    (_LAYER + r"self_attn\.o_proj\.(?P<kind>weight|bias)", "blk.{i}.attn_output.{kind}"),
+    (_LAYER + r"self_attn\.sinks", "blk.{i}.attn_sinks.weight"),
+    (_LAYER + r"mlp\.router\.(?P<kind>weight|bias)", "blk.{i}.ffn_gate_inp.{kind}"),
+]]
+_GPT_OSS_EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(?P<p>gate_up_proj|down_proj)(?P<bias>_bias)?")
+
+
+def _write_gpt_oss_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+
+
+def gpt_oss_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 tensor in torch order for a GptOssForCausalLM (unquantized experts)."""
+    hp = hparams(model.config)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to(torch.float32).cpu()
+        if name == "lm_head.weight" and hp.get("tie_word_embeddings", False):
+            continue
+        if m := _GPT_OSS_EXPERTS.fullmatch(name):
+            out.update(_gpt_oss_experts(f"blk.{m['i']}.", m["p"], bool(m["bias"]), tensor, hp))
+            continue
+        for pattern, gguf_name in _GPT_OSS_NAMES:
+            if m := pattern.fullmatch(name):
+                out[gguf_name.format(**m.groupdict())] = tensor
+                break
+        else:
+            raise KeyError(f"no GGUF name for transformers tensor {name!r}")
+    return out
+
+
+def _gpt_oss_experts(p: str, matrix: str, is_bias: bool, t: torch.Tensor,
+                     hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """gate_up_proj [E, H, 2F] has gate in the even columns, up in the odd ones; down_proj is
+    [E, F, H]. Both are stored input-major, so the matrices are transposed to [E, out, in]."""
+    e, h, f = hp["num_local_experts"], hp["hidden_size"], hp["intermediate_size"]
+    expected = {("gate_up_proj", False): (e, h, 2 * f), ("gate_up_proj", True): (e, 2 * f),
+                ("down_proj", False): (e, f, h), ("down_proj", True): (e, h)}[(matrix, is_bias)]
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{p}{matrix}{'_bias' if is_bias else ''} has shape {tuple(t.shape)}, expected {expected}")
+    kind = "bias" if is_bias else "weight"
+    if not is_bias:
+        t = t.transpose(1, 2)
+    if matrix == "down_proj":
+        return {f"{p}ffn_down_exps.{kind}": t.contiguous()}
+    gate, up = (t[..., 0::2], t[..., 1::2]) if is_bias else (t[:, 0::2], t[:, 1::2])
+    return {f"{p}ffn_gate_exps.{kind}": gate.contiguous(), f"{p}ffn_up_exps.{kind}": up.contiguous()}
+
+
+# ---- deepseek2 (DeepseekV2Model in convert_hf_to_gguf.py; DeepSeek-V2 and V3 configs) --------
+
+_DEEPSEEK2_NAMES = [(re.compile(pattern), gguf_name) for pattern, gguf_name in [
+    (_LAYER + r"self_attn\.q_a_proj\.weight", "blk.{i}.attn_q_a.weight"),
+    (_LAYER + r"self_attn\.q_a_layernorm\.weight", "blk.{i}.attn_q_a_norm.weight"),
+    (_LAYER + r"self_attn\.q_b_proj\.weight", "blk.{i}.attn_q_b.weight"),
+    (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight", "blk.{i}.attn_kv_a_mqa.weight"),
+    (_LAYER + r"self_attn\.kv_a_layernorm\.weight", "blk.{i}.attn_kv_a_norm.weight"),
+    (_LAYER + r"mlp\.gate\.e_score_correction_bias", "blk.{i}.exp_probs_b.bias"),
+    (_LAYER + r"mlp\.shared_experts\.(?P<m>gate|up|down)_proj\.weight", "blk.{i}.ffn_{m}_shexp.weight"),
+    (_LAYER + r"mlp\.(?P<m>gate|up|down)_proj\.weight", "blk.{i}.ffn_{m}.weight"),  # leading dense layers
+]]
+_GATING_FUNC = {"softmax": gguf.ExpertGatingFuncType.SOFTMAX, "sigmoid": gguf.ExpertGatingFuncType.SIGMOID}
+
+
+def _deepseek2_view(hp: dict[str, Any]) -> dict[str, Any]:
+    """What the generic keys see: MLA stored absorbed is MQA (one kv head), experts counted under
+    `n_routed_experts`, and config.json's `head_dim` (the rope dims) not written as key_length."""
+    hp = {k: v for k, v in hp.items() if k != "head_dim"}
+    return {**hp, "num_key_value_heads": 1, "num_experts": hp["n_routed_experts"]}
+
+
+def _write_deepseek2_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    if "n_group" in hp:
+        w.add_expert_group_count(hp["n_group"])
+    if "topk_group" in hp:
+        w.add_expert_group_used_count(hp["topk_group"])
+    if "scoring_func" in hp:  # DeepSeek-V3's config class drops it unless given (fixtures README)
+        w.add_expert_gating_func(_GATING_FUNC[hp["scoring_func"]])
+    kv_lora, rope_dims = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    w.add_leading_dense_block_count(hp.get("first_k_dense_replace", 0))
+    w.add_vocab_size(hp["vocab_size"])
+    if "q_lora_rank" in hp:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(kv_lora)
+    # The absorbed MQA view (key = latent + rope, value = latent), then the per-head sizes.
+    w.add_key_length(kv_lora + rope_dims)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dims)
+    w.add_value_length_mla(hp["v_head_dim"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp.get("n_shared_experts", 0))
+    if "routed_scaling_factor" in hp:
+        w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope_dims)
+    mscale_all_dim = _rope_parameters(hp).get("mscale_all_dim")
+    if mscale_all_dim is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)  # the converter's 0.1 factor, undone by readers
+
+
+def deepseek2_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 tensor in torch order, with kv_b_proj split for absorbed MLA."""
+    hp = hparams(model.config)
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in _stack_experts(_split_state(model, hp)).items():
+        if m := re.fullmatch(_LAYER + r"self_attn\.kv_b_proj\.weight", hf_name):
+            out.update(_split_kv_b(f"blk.{m['i']}.", tensor, hp))
+            continue
+        for pattern, gguf_name in _DEEPSEEK2_NAMES:
+            if m := pattern.fullmatch(hf_name):
+                out[gguf_name.format(**m.groupdict())] = tensor
+                break
+        else:
+            out[_gguf_name(hf_name)] = tensor
+    return out
+
+
+def _split_kv_b(p: str, kv_b: torch.Tensor, hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """kv_b_proj [H·(nope+v), kv_lora] -> attn_k_b [H, kv_lora, nope] (transposed), attn_v_b [H, v, kv_lora]."""
+    nope, v = hp["qk_nope_head_dim"], hp["v_head_dim"]
+    per_head = kv_b.view(hp["num_attention_heads"], nope + v, kv_b.shape[-1])
+    k_b, v_b = per_head.split([nope, v], dim=1)
+    return {f"{p}attn_k_b.weight": k_b.transpose(1, 2).contiguous(), f"{p}attn_v_b.weight": v_b.contiguous()}

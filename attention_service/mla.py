@@ -1,0 +1,129 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, R1, Kimi-K2) in llama.cpp's absorbed layout.
+
+Per token the KV cache holds only what MLA compresses keys and values into: the RMS-normed KV
+latent [kv_lora] and the roped key part every head shares [rope], stored side by side as one
+entry. Heads never get expanded K/V: the no-rope query is absorbed through `attn_k_b` into the
+latent space, every head attends over the one shared latent (MQA), and the latent result goes
+through `attn_v_b` into each head's value space, as llama.cpp's deepseek2 graph computes it.
+
+Shape legend: T tokens, H heads, C context tokens, L kv_lora, R rope dims, N no-rope key dims,
+V value dims.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attention_service.batch import StepBatch
+from attention_service.kv_cache import KVCache
+from attention_service.layers import Rope, linear, rms_norm, softmax_scale
+from attention_service.weight_loader import WeightLoader
+from modelfile.gguf_file import GGUFError
+from modelfile.hparams import ModelConfig, RopeScaling
+
+if TYPE_CHECKING:
+    from attention_service.models.base import ArchSpec
+
+LATENT_ENTRY = "latent"  # the KV cache entry: [normed latent (L) | roped shared key (R)] per token
+
+
+@dataclass
+class MLAWeights:
+    q: torch.Tensor  # attn_q_b [H*(N+R), q_lora], or attn_q [H*(N+R), hidden] without q LoRA (V2-Lite)
+    kv_a: torch.Tensor  # attn_kv_a_mqa [L+R, hidden]
+    kv_a_norm: torch.Tensor  # [L] float32
+    k_b: torch.Tensor  # [H, L, N]: per head, the latent -> no-rope key map, transposed
+    v_b: torch.Tensor  # [H, V, L]: per head, the latent -> value map
+    out: torch.Tensor  # [hidden, H*V]
+    q_a: torch.Tensor | None = None  # [q_lora, hidden]
+    q_a_norm: torch.Tensor | None = None  # [q_lora] float32
+
+
+def latent_attention(q: torch.Tensor, ctx: torch.Tensor, q_positions: torch.Tensor, scale: float,
+                     latent_dims: int) -> torch.Tensor:
+    """Causal MQA of absorbed queries over the cached latents, computed in float32.
+
+    q [T, H, L+R] at absolute `q_positions`; ctx [C, L+R] holds positions 0..C-1, and its first
+    L dims are also the values. Returns [T, H, L] in q's dtype.
+    """
+    qf, kf = q.float(), ctx.float()
+    scores = torch.einsum("thd,cd->thc", qf, kf) * scale
+    context = torch.arange(ctx.shape[0], device=ctx.device)
+    future = context[None, :] > q_positions[:, None]
+    probs = torch.softmax(scores.masked_fill(future[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("thc,cl->thl", probs, kf[:, :latent_dims]).to(q.dtype)
+
+
+def yarn_mscales(scaling: RopeScaling | None) -> tuple[float | None, float]:
+    """(cos/sin magnitude, or None for Rope's own; softmax-scale factor) of DeepSeek's YaRN.
+
+    DeepSeek scales the attention logits by mscale² with mscale = 0.1·mscale_all_dim·ln(factor) + 1.
+    The file keeps mscale_all_dim as `yarn_log_multiplier` = 0.1·mscale_all_dim, and llama.cpp
+    takes the config's `mscale` to equal it (true of every DeepSeek/Kimi release), so cos/sin keep
+    magnitude mscale/mscale_all_dim = 1. A YaRN file without the key gets plain YaRN's
+    1 + 0.1·ln(factor), on cos/sin and (squared) on the logits, as llama.cpp's deepseek2 graph does.
+    """
+    if scaling is None or scaling.kind != "yarn" or scaling.factor <= 1:
+        return None, 1.0
+    log_factor = math.log(scaling.factor)
+    if scaling.yarn_log_multiplier == 0:
+        return None, (1 + 0.1 * log_factor) ** 2
+    return 1.0, (1 + scaling.yarn_log_multiplier * log_factor) ** 2
+
+
+class MultiLatentAttention:
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, device: torch.device):
+        if cfg.kv_lora_rank <= 0 or cfg.mla_key_head_dim <= cfg.rope_dims:
+            raise ValueError(f"{cfg.arch}: MLA needs {cfg.arch}.attention.kv_lora_rank and .key_length_mla "
+                             "(files from llama.cpp's converter since the MLA split have both)")
+        self.cfg, self.spec = cfg, spec
+        self.rope_dims = cfg.rope_dims
+        self.nope_dims = cfg.mla_key_head_dim - cfg.rope_dims
+        magnitude, logit_factor = yarn_mscales(cfg.rope_scaling)
+        self.rope = Rope(cfg.rope_dims, cfg.rope_theta, spec.rope_interleaved, cfg.rope_scaling, device=device,
+                         magnitude=magnitude)
+        self.scale = softmax_scale(cfg.mla_key_head_dim) * logit_factor
+
+    @staticmethod
+    def load_weights(load: WeightLoader, spec: ArchSpec, p: str) -> MLAWeights:
+        if load.g.has(p + "attn_kv_b.weight"):
+            raise GGUFError(f"{load.g.path.name}: tensor {p}attn_kv_b.weight is the pre-MLA-split layout; "
+                            "re-convert with a current llama.cpp convert_hf_to_gguf.py (attn_k_b/attn_v_b)")
+        q_a = load.optional(p + "attn_q_a.weight")
+        return MLAWeights(
+            q=load(p + ("attn_q_b.weight" if q_a is not None else "attn_q.weight")),
+            kv_a=load(p + "attn_kv_a_mqa.weight"), kv_a_norm=load.norm(p + "attn_kv_a_norm.weight"),
+            k_b=load(p + "attn_k_b.weight"), v_b=load(p + "attn_v_b.weight"), out=load(p + "attn_output.weight"),
+            q_a=q_a, q_a_norm=load.norm(p + "attn_q_a_norm.weight") if q_a is not None else None,
+        )
+
+    def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {LATENT_ENTRY: (self.cfg.kv_lora_rank + self.rope_dims,)}
+
+    def __call__(self, i: int, w: MLAWeights, h: torch.Tensor, batch: StepBatch,
+                 kv: KVCache) -> torch.Tensor:
+        """h [T, hidden] -> attention output [T, hidden]; writes this step's latents to the cache."""
+        c = self.cfg
+        q_nope, q_rope = self._query(w, h).split([self.nope_dims, self.rope_dims], dim=-1)
+        latent, k_rope = linear(h, w.kv_a).split([c.kv_lora_rank, self.rope_dims], dim=-1)
+        latent = rms_norm(latent, w.kv_a_norm, c.norm_eps)
+        k_rope = self.rope(k_rope[:, None, :], batch.positions)[:, 0]
+        kv.write(i, batch.new_slots, **{LATENT_ENTRY: torch.cat((latent, k_rope), dim=-1)})
+        # q_nope·(W_k c) = (W_kᵀ q_nope)·c: the query moves into latent space, the cache stays small.
+        q = torch.cat((torch.einsum("thn,hln->thl", q_nope, w.k_b), self.rope(q_rope, batch.positions)), dim=-1)
+        out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)
+        for s in batch.seqs:
+            ctx = kv.read(i, s.context_slots)[LATENT_ENTRY]
+            out[s.start : s.end] = latent_attention(q[s.start : s.end], ctx, batch.positions[s.start : s.end],
+                                                    self.scale, c.kv_lora_rank)
+        # Σ p·(W_v c) = W_v (Σ p·c): each head's value map applied once, after the attention sum.
+        return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
+
+    def _query(self, w: MLAWeights, h: torch.Tensor) -> torch.Tensor:
+        """[T, H, N+R]: through the q LoRA (down, RMSNorm, up) when the file has one."""
+        if w.q_a is not None:
+            h = rms_norm(linear(h, w.q_a), w.q_a_norm, self.cfg.norm_eps)
+        return linear(h, w.q).view(h.shape[0], self.cfg.num_heads, self.cfg.mla_key_head_dim)
