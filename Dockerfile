@@ -28,7 +28,7 @@ COPY proto/ proto/
 RUN pip install . && rm -rf /opt/splitmoe/src
 
 # The demo model, written once at build time so that every container of the stack opens the very
-# same file (the services compare the file's identity: name, size, mtime). compose.yaml's MODEL
+# same file (the services compare the file's identity: name and size). compose.yaml's MODEL
 # defaults to it when no model is mounted.
 RUN python -c "from splitmoe.demo_model import write_demo_model; write_demo_model('/opt/splitmoe/demo.gguf')" \
     && chmod 0444 /opt/splitmoe/demo.gguf

@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from modelfile.experts import ExpertKey
+from modelfile.experts import ExpertKey, format_ranges
 
 NO_OWNER = -1
 
@@ -40,19 +40,6 @@ class ServiceShard:
         if self.is_empty:
             return f"{self.address} [no experts]"
         return f"{self.address} [{format_ranges('layers', self.layers)}, {format_ranges('experts', self.experts)}]"
-
-
-def format_ranges(what: str, values: Sequence[int]) -> str:
-    """'layers 0-3,7': compact, for one-line messages."""
-    values = sorted(values)
-    if not values:
-        return f"no {what}"
-    spans, start = [], values[0]
-    for prev, cur in zip(values, [*values[1:], None]):
-        if cur is None or cur != prev + 1:
-            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = cur
-    return f"{what} {','.join(spans)}"
 
 
 def split_evenly(items: Sequence[int], num_parts: int) -> list[tuple[int, ...]]:

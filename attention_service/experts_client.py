@@ -334,16 +334,11 @@ def _describe_all(g: GGUFFile, clients: list[ExpertServiceClient], wait_s: float
     return shards
 
 
-def gguf_file_id(g: GGUFFile) -> str:
-    """The file identity services report (expert_service.shard.file_id computes the same)."""
-    return f"{g.path.name}:{g.path.stat().st_size}"
-
-
 def _check_same_model(g: GGUFFile, client: ExpertServiceClient) -> None:
     info = client.info
-    if info.file_id != gguf_file_id(g):
+    if info.file_id != g.file_id:
         raise ExpertsUnavailable(f"expert service {client.address} serves {info.file_id!r}, "
-                                 f"not this model {gguf_file_id(g)!r}")
+                                 f"not this model {g.file_id!r}")
     hidden_size = int(g.arch_require("embedding_length"))
     if info.hidden_size != hidden_size:
         raise ExpertsUnavailable(f"expert service {client.address}: hidden size {info.hidden_size}, ours {hidden_size}")

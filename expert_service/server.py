@@ -18,7 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from expert_service.settings import ExpertServiceSettings
-from expert_service.shard import HostedShard, ShardDescription, file_id, format_ranges
+from expert_service.shard import HostedShard, ShardDescription
+from modelfile.experts import format_ranges
 from proto import codec, expert_pb2, expert_pb2_grpc
 from proto.shm import ShmMappings
 from splitmoe.telemetry import extract_grpc_context, tracer
@@ -32,7 +33,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def __init__(self, hosted: HostedShard):
         self.hosted = hosted
         self._hostname = socket.gethostname()
-        self._file_id = file_id(hosted.g)
+        self._file_id = hosted.g.file_id
         self._num_busy = 0  # requests being computed, for the shutdown drain
         self._idle = threading.Condition()
 

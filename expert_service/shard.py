@@ -13,16 +13,11 @@ from typing import Iterable
 
 import torch
 
-from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
+from modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
 from modelfile.gguf_file import GGUFFile
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)
-
-
-def file_id(g: GGUFFile) -> str:
-    """Identity both services compare before trusting each other's expert ids."""
-    return f"{g.path.name}:{g.path.stat().st_size}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +116,3 @@ class HostedShard:
             self._tokens[layer] += counts
             self._num_requests += 1
             self._compute_s += compute_s
-
-
-def format_ranges(what: str, values: Iterable[int]) -> str:
-    """'layers 0-3,7' — compact, for one-line messages."""
-    values = sorted(values)
-    if not values:
-        return f"no {what}"
-    spans, start = [], values[0]
-    for prev, cur in zip(values, values[1:] + [None]):
-        if cur is None or cur != prev + 1:
-            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = cur
-    return f"{what} {','.join(spans)}"

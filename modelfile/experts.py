@@ -96,5 +96,18 @@ class ExpertShard:
         """This shard's part of the layer's expert sum; ids it does not host add nothing."""
         ffns = self._ffns.get(layer)
         if ffns is None:
-            raise KeyError(f"layer {layer} is not in this shard (layers {self.layers[0]}-{self.layers[-1]})")
+            raise KeyError(f"layer {layer} is not in this shard ({format_ranges('layers', self.layers)})")
         return moe_forward(hidden, expert_ids, expert_weights, ffns)
+
+
+def format_ranges(what: str, values: Iterable[int]) -> str:
+    """'layers 0-3,7': compact, for one-line messages."""
+    values = sorted(values)
+    if not values:
+        return f"no {what}"
+    spans, start = [], values[0]
+    for prev, cur in zip(values, [*values[1:], None]):
+        if cur is None or cur != prev + 1:
+            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = cur
+    return f"{what} {','.join(spans)}"

@@ -49,6 +49,14 @@ class GGUFFile:
     def arch_require(self, key: str) -> Any:
         return self.require(f"{self.arch}.{key}")
 
+    @property
+    def file_id(self) -> str:
+        """The identity two services compare before trusting each other's expert ids.
+
+        Name and size, not mtime: a copy of the same file on another host must match.
+        """
+        return f"{self.path.name}:{self.path.stat().st_size}"
+
     # ---- tensors -------------------------------------------------------------------------------
 
     @property
