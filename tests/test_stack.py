@@ -7,8 +7,6 @@ comes back.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,8 @@ import pytest
 
 from splitmoe.demo_model import write_demo_model
 from tests.support.expert_services import ExpertServices
-from tests.support.processes import REPO, free_port, spawn, stop, wait_grpc_serving
+from tests.support.processes import REPO, run_splitmoe
+from tests.support.stack import running_stack
 
 EXPERT_TIMEOUT_S = 5.0
 PROMPT = "Write one line about the sea."
@@ -38,46 +37,13 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    experts = ExpertServices(logs)
-    num_experts = 16 if "qwen2moe" in model.name else 8
-    half = num_experts // 2
-    experts.start("low", model, "--experts", f"0-{half - 1}")
-    experts.start("high", model, "--experts", f"{half}-{num_experts - 1}")
-    attention_port, gateway_port = free_port(), free_port()
-    attention = spawn(["serve-attention", str(model), "--port", str(attention_port), "--expert-services",
-                       f"{experts.address('low')},{experts.address('high')}",
-                       "--expert-timeout-s", str(EXPERT_TIMEOUT_S)], logs / "attention.log")
-    gateway = spawn(["serve-gateway", "--attention", f"127.0.0.1:{attention_port}", "--port", str(gateway_port)],
-                    logs / "gateway.log")
-    try:
-        experts.wait()
-        wait_grpc_serving(f"127.0.0.1:{attention_port}", 120, attention)
-        url = f"http://127.0.0.1:{gateway_port}"
-        wait_http_ok(url + "/health", gateway)
-        yield {"url": url, "experts": experts, "model": model}
-    finally:
-        for proc in (gateway, attention):
-            stop(proc)
-        experts.stop_all()
-
-
-def wait_http_ok(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{url}: the server exited"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not 200 after {timeout_s} s")
+    with running_stack(model, tmp_path_factory.mktemp("logs"), "--expert-timeout-s", str(EXPERT_TIMEOUT_S)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -85,28 +51,21 @@ def model_id(client):
     return client.models.list().data[0].id
 
 
-def splitmoe(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "splitmoe", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def test_streamed_chat_equals_single_process_generate(stack, client, model_id):
     stream = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": PROMPT}],
                                             max_tokens=24, temperature=0, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    reference = splitmoe("generate", str(stack["model"]), "--prompt", PROMPT, "--chat", "-n", "24")
+    reference = run_splitmoe("generate", str(stack.model), "--prompt", PROMPT, "--chat", "-n", "24")
     assert text == reference[:-1]  # print() added the newline
 
 
 def test_prompt_logprobs_equal_log_softmax_of_logits(stack, model_id, tmp_path):
     ids = [54, 64, 364, 293, 298, 321, 7, 11]
-    response = httpx.post(stack["url"] + "/v1/completions", timeout=60, json={
+    response = httpx.post(stack.url + "/v1/completions", timeout=60, json={
         "model": model_id, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0})
     assert response.status_code == 200, response.text
     got = response.json()["choices"][0]["logprobs"]["token_logprobs"]
-    splitmoe("logits", str(stack["model"]), "--token-ids", ",".join(map(str, ids)), "--out", str(tmp_path / "l.npy"))
+    run_splitmoe("logits", str(stack.model), "--token-ids", ",".join(map(str, ids)), "--out", str(tmp_path / "l.npy"))
     logits = np.load(tmp_path / "l.npy").astype(np.float64)
     top = logits.max(1, keepdims=True)
     logprobs = logits - top - np.log(np.exp(logits - top).sum(1, keepdims=True))
@@ -130,13 +89,13 @@ def test_concurrent_streams_get_their_own_greedy_tokens_and_are_batched(stack, c
     for t in threads:
         t.join()
     assert together == alone
-    metrics = httpx.get(stack["url"] + "/metrics", timeout=10).text
+    metrics = httpx.get(stack.url + "/metrics", timeout=10).text
     batch = [line for line in metrics.splitlines() if line.startswith("splitmoe:max_batch_seqs")]
     assert batch and float(batch[0].split()[-1]) > 1
 
 
 def test_a_killed_expert_service_fails_requests_cleanly_and_is_picked_up_again(stack, client, model_id):
-    experts: ExpertServices = stack["experts"]
+    experts: ExpertServices = stack.experts
     stream = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": PROMPT}],
                                             max_tokens=2000, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True})
@@ -149,12 +108,12 @@ def test_a_killed_expert_service_fails_requests_cleanly_and_is_picked_up_again(s
     assert time.monotonic() - started < EXPERT_TIMEOUT_S + 10
     assert "expert" in str(failure.value).lower()
 
-    health = httpx.get(stack["url"] + "/health", timeout=10)
+    health = httpx.get(stack.url + "/health", timeout=10)
     assert health.status_code == 503 and "expert" in health.text.lower()
 
     experts.restart("high")
     deadline = time.monotonic() + 30
-    while httpx.get(stack["url"] + "/health", timeout=10).status_code != 200:
+    while httpx.get(stack.url + "/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the restarted expert service was not picked up"
         time.sleep(0.5)
     reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": PROMPT}],

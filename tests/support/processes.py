@@ -66,3 +66,11 @@ def grpc_service(args: list[str], port: int, log_path: Path, timeout_s: float = 
         raise
     finally:
         stop(proc)
+
+
+def run_splitmoe(*args: str, timeout_s: float = 300) -> str:
+    """`splitmoe <args>` to completion; its stdout."""
+    done = subprocess.run([sys.executable, "-m", "splitmoe", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
