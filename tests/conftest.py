@@ -13,3 +13,13 @@ def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip("../shared/fixtures not found: the llama.cpp-made fixtures live beside the clone in CI")
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def demo_gguf(tmp_path_factory) -> Path:
+    """The built-in demo model (tiny qwen3moe, random weights), written once per test session."""
+    from splitmoe.demo_model import write_demo_model
+
+    path = tmp_path_factory.mktemp("demo") / "demo.gguf"
+    write_demo_model(path)
+    return path

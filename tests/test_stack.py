@@ -15,7 +15,6 @@ import numpy as np
 import openai
 import pytest
 
-from splitmoe.demo_model import write_demo_model
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import REPO, run_splitmoe
 from tests.support.stack import running_stack
@@ -25,14 +24,10 @@ PROMPT = "Write one line about the sea."
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(demo_gguf):
     """A llama.cpp-made fixture when CI has one beside the clone, else the built-in demo model."""
     fixture = REPO.parent / "shared" / "fixtures" / "qwen2moe" / "qwen2moe-q8_0.gguf"
-    if fixture.exists():
-        return fixture
-    path = tmp_path_factory.mktemp("model") / "demo.gguf"
-    write_demo_model(path)
-    return path
+    return fixture if fixture.exists() else demo_gguf
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from expert_service.shard import HostedShard
 from gateway.app import build_app
 from gateway.settings import GatewaySettings
 from modelfile.gguf_file import GGUFFile
-from splitmoe.demo_model import write_demo_model
 from splitmoe.telemetry import setup_tracing
 from tests.support.processes import free_port, wait_grpc_serving
 
@@ -37,9 +36,8 @@ def spans():
 
 
 @pytest.fixture(scope="module")
-def stack(spans, tmp_path_factory):
-    model = tmp_path_factory.mktemp("model") / "demo.gguf"
-    write_demo_model(model)
+def stack(spans, demo_gguf):
+    model = demo_gguf
     expert_port, attention_port, gateway_port = free_port(), free_port(), free_port()
     experts = ExpertServer(ExpertServiceSettings(model_path=model, port=expert_port), HostedShard(GGUFFile(model)))
     experts.start()

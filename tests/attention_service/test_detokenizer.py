@@ -4,14 +4,11 @@ import pytest
 from attention_service.detokenizer import Detokenizer
 from modelfile.gguf_file import GGUFFile
 from modelfile.tokenizer import Tokenizer
-from splitmoe.demo_model import write_demo_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "demo.gguf"
-    write_demo_model(path)
-    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+def tokenizer(demo_gguf):
+    return Tokenizer.from_gguf_metadata(GGUFFile(demo_gguf).metadata)
 
 
 def stream(tokenizer, text, stop=()):

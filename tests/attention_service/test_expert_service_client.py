@@ -12,7 +12,6 @@ import torch
 
 from attention_service.experts_client import ExpertRequestError, ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
 from modelfile.gguf_file import GGUFFile
-from splitmoe.demo_model import write_demo_model
 from tests.support.expert_services import ExpertServices
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -21,17 +20,10 @@ FAST = dict(expert_timeout_s=TIMEOUT_S, connect_timeout_s=0.5, reconnect_interva
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "demo.gguf"
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def services(demo_path, tmp_path_factory):
+def services(demo_gguf, tmp_path_factory):
     s = ExpertServices(tmp_path_factory.mktemp("logs"))
-    s.start("low", demo_path, "--experts", "0-3")
-    s.start("high", demo_path, "--unassigned")  # the placement gives it experts 4-7
+    s.start("low", demo_gguf, "--experts", "0-3")
+    s.start("high", demo_gguf, "--unassigned")  # the placement gives it experts 4-7
     try:
         s.wait()
         yield s
@@ -40,9 +32,9 @@ def services(demo_path, tmp_path_factory):
 
 
 @pytest.fixture
-def backend(services, demo_path):
+def backend(services, demo_gguf):
     settings = RemoteExpertsSettings((services.address("low"), services.address("high")), **FAST)
-    with RemoteExperts(GGUFFile(demo_path), settings) as b:
+    with RemoteExperts(GGUFFile(demo_gguf), settings) as b:
         yield b
 
 

@@ -19,7 +19,6 @@ from attention_service.experts_client import (ExpertsUnavailable, InProcessExper
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from modelfile.experts import ExpertKey
 from modelfile.gguf_file import GGUFFile
-from splitmoe.demo_model import write_demo_model
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import free_port
 
@@ -30,19 +29,12 @@ FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "demo.gguf"
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def services(demo_path, tmp_path_factory, request):
+def services(demo_gguf, tmp_path_factory, request):
     s = ExpertServices(tmp_path_factory.mktemp("logs"))
-    s.start("low", demo_path, "--experts", "0-3")
-    s.start("high", demo_path, "--experts", "4-7")
-    s.start("spare1", demo_path, "--unassigned")
-    s.start("spare2", demo_path, "--unassigned")
+    s.start("low", demo_gguf, "--experts", "0-3")
+    s.start("high", demo_gguf, "--experts", "4-7")
+    s.start("spare1", demo_gguf, "--unassigned")
+    s.start("spare2", demo_gguf, "--unassigned")
     try:  # the fixture file's services start in the same wave: startup is mostly importing torch
         s.fixture_path = request.getfixturevalue("fixtures_dir") / "qwen2moe" / "qwen2moe-q8_0.gguf"
         s.start("fixture-low", s.fixture_path, "--experts", "0-7")
@@ -83,11 +75,11 @@ def no_regions_left():
 # ---- the transport seam ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "auto"])
-def test_same_logits_in_process_and_remote(services, demo_path, transport):
-    g = GGUFFile(demo_path)
-    expected = logits(demo_path, InProcessExperts(g))
+def test_same_logits_in_process_and_remote(services, demo_gguf, transport):
+    g = GGUFFile(demo_gguf)
+    expected = logits(demo_gguf, InProcessExperts(g))
     with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
-        got = logits(demo_path, backend)
+        got = logits(demo_gguf, backend)
         health = backend.health()
         stats = backend.stats()
     assert (got - expected).abs().max() <= 1e-5
@@ -109,8 +101,8 @@ def test_same_logits_on_the_llama_cpp_fixture(services, transport):
     assert (got - logits(path, InProcessExperts(g))).abs().max() <= 1e-5
 
 
-def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_path):
-    g = GGUFFile(demo_path)
+def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
     hidden, ids, weights = routing(7, seed=5)
     expected = InProcessExperts(g).forward(1, hidden, ids, weights)
     with remote(g, services.address("low"), services.address("high")) as backend:
@@ -119,8 +111,8 @@ def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_path):
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
-def test_only_routed_rows_are_sent(services, demo_path):
-    g = GGUFFile(demo_path)
+def test_only_routed_rows_are_sent(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
     hidden, _, weights = routing(6)
     ids = torch.tensor([[0, 1]] * 5 + [[4, 2]])  # only the last token needs the high half
     with remote(g, services.address("low"), services.address("high"), transport="grpc") as backend:
@@ -132,8 +124,8 @@ def test_only_routed_rows_are_sent(services, demo_path):
 
 # ---- placement ------------------------------------------------------------------------------
 
-def test_tokens_per_expert_match_the_routing_sent(services, demo_path):
-    g = GGUFFile(demo_path)
+def test_tokens_per_expert_match_the_routing_sent(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
     hidden, ids, weights = routing(40, seed=1)
     with remote(g, services.address("low"), services.address("high")) as backend:
         before = backend.expert_token_counts()
@@ -144,40 +136,40 @@ def test_tokens_per_expert_match_the_routing_sent(services, demo_path):
     assert all(after[k] == before.get(k, 0) for k in after if k.layer == 0)
 
 
-def test_local_layers_are_never_sent(services, demo_path):
-    g = GGUFFile(demo_path)
+def test_local_layers_are_never_sent(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
     with remote(g, services.address("low"), services.address("high"), local_layers=1) as backend:
         before = backend.expert_token_counts()
-        got = logits(demo_path, backend)
+        got = logits(demo_gguf, backend)
         after = backend.expert_token_counts()
         hops = {s.num_hops for s in backend.stats().values()}
-    assert (got - logits(demo_path, InProcessExperts(g))).abs().max() <= 1e-5
+    assert (got - logits(demo_gguf, InProcessExperts(g))).abs().max() <= 1e-5
     assert hops == {1}  # layer 1 only
     assert all(after[k] == before[k] for k in after if k.layer == 0)
 
 
-def test_unassigned_services_get_the_experts_split_evenly(services, demo_path):
-    g = GGUFFile(demo_path)
+def test_unassigned_services_get_the_experts_split_evenly(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
     with remote(g, services.address("spare1"), services.address("spare2")) as backend:
         shards = [h.shard for h in backend.health().values()]
-        got = logits(demo_path, backend)
+        got = logits(demo_gguf, backend)
     assert [(s.layers, s.experts) for s in shards] == [((0, 1), (0, 1, 2, 3)), ((0, 1), (4, 5, 6, 7))]
-    assert (got - logits(demo_path, InProcessExperts(g))).abs().max() <= 1e-5
+    assert (got - logits(demo_gguf, InProcessExperts(g))).abs().max() <= 1e-5
 
 
-def test_startup_fails_with_one_line_when_experts_have_no_service(services, demo_path):
+def test_startup_fails_with_one_line_when_experts_have_no_service(services, demo_gguf):
     with pytest.raises(ExpertsUnavailable) as e:
-        with remote(GGUFFile(demo_path), services.address("low")):
+        with remote(GGUFFile(demo_gguf), services.address("low")):
             pass
     message = str(e.value)
     assert "\n" not in message and "L0.E4" in message and services.address("low") in message
 
 
-def test_startup_fails_with_one_line_when_a_service_never_answers(demo_path):
+def test_startup_fails_with_one_line_when_a_service_never_answers(demo_gguf):
     silent = f"127.0.0.1:{free_port()}"
     start_s = time.monotonic()
     with pytest.raises(ExpertsUnavailable, match=silent):
-        with remote(GGUFFile(demo_path), silent, startup_wait_s=0.5):
+        with remote(GGUFFile(demo_gguf), silent, startup_wait_s=0.5):
             pass
     assert time.monotonic() - start_s < 5
 
@@ -199,17 +191,17 @@ def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
 
 # ---- replicas -------------------------------------------------------------------------------
 
-def test_replica_killed_mid_request_is_retried_on_another(services, demo_path):
-    g = GGUFFile(demo_path)
-    expected = logits(demo_path, InProcessExperts(g))
+def test_replica_killed_mid_request_is_retried_on_another(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
+    expected = logits(demo_gguf, InProcessExperts(g))
     addresses = [services.address(n) for n in ("low", "high", "spare1", "spare2")]
     with remote(g, *addresses) as backend:  # the spares host 0-3 and 4-7 too: replicas
-        assert (logits(demo_path, backend) - expected).abs().max() <= 1e-5
+        assert (logits(demo_gguf, backend) - expected).abs().max() <= 1e-5
         hops = {a: s.num_hops for a, s in backend.stats().items()}
         assert hops == dict.fromkeys(addresses, 1)  # replicas take turns by layer: layer 1 went to the spares
         services.pause("spare2")  # it takes the next layer-1 request and never answers...
         result = {}
-        step = threading.Thread(target=lambda: result.update(logits=logits(demo_path, backend)))
+        step = threading.Thread(target=lambda: result.update(logits=logits(demo_gguf, backend)))
         start_s = time.monotonic()
         step.start()
         time.sleep(0.5)
@@ -218,4 +210,4 @@ def test_replica_killed_mid_request_is_retried_on_another(services, demo_path):
         assert time.monotonic() - start_s < FAST["expert_timeout_s"]  # failed over, not timed out
         assert (result["logits"] - expected).abs().max() <= 1e-5
         assert not backend.health()[services.address("spare2")].healthy
-        assert (logits(demo_path, backend) - expected).abs().max() <= 1e-5
+        assert (logits(demo_gguf, backend) - expected).abs().max() <= 1e-5

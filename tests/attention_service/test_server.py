@@ -10,24 +10,16 @@ from attention_service.generate import greedy_tokens
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from proto import attention_pb2 as pb
 from proto import attention_pb2_grpc
-from splitmoe.demo_model import write_demo_model
 from tests.support.processes import free_port, grpc_service
 
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "demo.gguf"
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def service(demo, tmp_path_factory):
+def service(demo_gguf, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "attention.log"
-    args = ["serve-attention", str(demo), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64"]
+    args = ["serve-attention", str(demo_gguf), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64"]
     with grpc_service(args, port, log):
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         yield attention_pb2_grpc.AttentionServiceStub(channel)
@@ -35,8 +27,8 @@ def service(demo, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runner(demo):
-    return ModelRunner.from_gguf(demo, RunnerOptions(kv_cache_tokens=512))
+def runner(demo_gguf):
+    return ModelRunner.from_gguf(demo_gguf, RunnerOptions(kv_cache_tokens=512))
 
 
 def generate(stub, ids, max_tokens=12, **sampling):

@@ -16,7 +16,6 @@ from modelfile.experts import ExpertKey, ExpertShard
 from modelfile.gguf_file import GGUFFile
 from proto import codec, expert_pb2, expert_pb2_grpc
 from proto.shm import ShmArena
-from splitmoe.demo_model import write_demo_model
 from tests.support.processes import free_port, grpc_service, spawn, wait_grpc_serving
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -24,25 +23,18 @@ HIDDEN = 64
 
 
 @pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "demo.gguf"
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def service(demo_path, tmp_path_factory):
+def service(demo_gguf, tmp_path_factory):
     port = free_port()
-    args = ["serve-experts", str(demo_path), "--port", str(port), "--experts", "0-3", "--threads", "1"]
+    args = ["serve-experts", str(demo_gguf), "--port", str(port), "--experts", "0-3", "--threads", "1"]
     with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "experts.log"):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield expert_pb2_grpc.ExpertServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
-def unassigned(demo_path, tmp_path_factory):
+def unassigned(demo_gguf, tmp_path_factory):
     port = free_port()
-    args = ["serve-experts", str(demo_path), "--port", str(port), "--unassigned"]
+    args = ["serve-experts", str(demo_gguf), "--port", str(port), "--unassigned"]
     with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "unassigned.log"):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield expert_pb2_grpc.ExpertServiceStub(channel)
@@ -78,18 +70,18 @@ def routing(num_tokens, seed=0, num_experts=8, top_k=2):
     return hidden, ids, torch.rand(num_tokens, top_k, generator=gen)
 
 
-def test_health_and_shard_description(service, demo_path):
+def test_health_and_shard_description(service, demo_gguf):
     info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
     assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])
     assert info.arch == "qwen3moe" and info.hidden_size == HIDDEN and info.num_threads == 1
-    assert info.file_id == f"demo.gguf:{demo_path.stat().st_size}"
-    assert info.num_bytes == ExpertShard(GGUFFile(demo_path), experts=range(4)).num_bytes
+    assert info.file_id == f"demo.gguf:{demo_gguf.stat().st_size}"
+    assert info.num_bytes == ExpertShard(GGUFFile(demo_gguf), experts=range(4)).num_bytes
     assert info.hostname
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_matches_the_shard_in_process(service, demo_path, dtype):
-    reference = ExpertShard(GGUFFile(demo_path), experts=range(4))
+def test_forward_matches_the_shard_in_process(service, demo_gguf, dtype):
+    reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
     stream = Stream(service)
     try:
         for layer in (0, 1):
@@ -123,8 +115,8 @@ def test_bad_requests_are_answered_in_band_and_the_stream_survives(service):
         stream.close()
 
 
-def test_forward_through_shared_memory(service, demo_path):
-    reference = ExpertShard(GGUFFile(demo_path), experts=range(4))
+def test_forward_through_shared_memory(service, demo_gguf):
+    reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
     hidden, ids, weights = routing(6)
     arena = ShmArena(1 << 16)
     stream = Stream(service)
@@ -174,7 +166,7 @@ def test_load_shard_rejects_what_the_file_lacks(unassigned, layers, experts):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_span_per_layer_call_parented_by_the_callers_trace(demo_path):
+def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
     from opentelemetry import trace
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -186,7 +178,7 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_path):
 
     spans = InMemorySpanExporter()
     setup_tracing("test-experts", extra_processors=[SimpleSpanProcessor(spans)])
-    server = ExpertServer(ExpertServiceSettings(demo_path, port=0), HostedShard(GGUFFile(demo_path)))
+    server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0), HostedShard(GGUFFile(demo_gguf)))
     port = server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -203,10 +195,10 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_path):
         server.stop()
 
 
-def test_sigterm_drains_and_exits_cleanly(demo_path, tmp_path):
+def test_sigterm_drains_and_exits_cleanly(demo_gguf, tmp_path):
     port = free_port()
     log_path = tmp_path / "experts.log"
-    proc = spawn(["serve-experts", str(demo_path), "--port", str(port), "--layers", "1-1", "--cpus", "0"], log_path)
+    proc = spawn(["serve-experts", str(demo_gguf), "--port", str(port), "--layers", "1-1", "--cpus", "0"], log_path)
     try:
         wait_grpc_serving(f"127.0.0.1:{port}", 60, proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -227,8 +219,8 @@ def test_sigterm_drains_and_exits_cleanly(demo_path, tmp_path):
     assert f"ready on 127.0.0.1:{port}: demo.gguf layers 1, experts 0-7" in log
 
 
-def test_bad_command_lines_fail_with_one_line(demo_path, tmp_path):
+def test_bad_command_lines_fail_with_one_line(demo_gguf, tmp_path):
     from splitmoe.cli import main
 
-    assert main(["serve-experts", str(demo_path), "--port", "1", "--unassigned", "--experts", "0-3"]) == 2
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--unassigned", "--experts", "0-3"]) == 2
     assert main(["serve-experts", str(tmp_path / "missing.gguf"), "--port", "1"]) == 2

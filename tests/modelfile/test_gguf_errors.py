@@ -4,15 +4,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from splitmoe.cli import main
-from splitmoe.demo_model import write_demo_model
 from tests.support.gguf_edit import rewrite_gguf
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "demo.gguf"
-    write_demo_model(path)
-    return path
 
 
 def logits_error(path, tmp_path, capsys) -> str:
@@ -24,8 +16,8 @@ def logits_error(path, tmp_path, capsys) -> str:
     return lines[0]
 
 
-def test_the_valid_demo_model_loads(demo, tmp_path):
-    assert main(["logits", str(demo), "--token-ids", "1,2,3", "--out", str(tmp_path / "x.npy")]) == 0
+def test_the_valid_demo_model_loads(demo_gguf, tmp_path):
+    assert main(["logits", str(demo_gguf), "--token-ids", "1,2,3", "--out", str(tmp_path / "x.npy")]) == 0
     assert np.load(tmp_path / "x.npy").shape == (3, 275)
 
 
@@ -35,40 +27,40 @@ def test_not_a_gguf(tmp_path, capsys):
     assert "not a readable GGUF file" in logits_error(path, tmp_path, capsys)
 
 
-def test_truncated_file(demo, tmp_path, capsys):
+def test_truncated_file(demo_gguf, tmp_path, capsys):
     path = tmp_path / "cut.gguf"
-    data = demo.read_bytes()
+    data = demo_gguf.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     line = logits_error(path, tmp_path, capsys)
     assert "cut.gguf" in line and ("truncated" in line or "not a readable GGUF" in line)
 
 
-def test_truncated_inside_metadata(demo, tmp_path, capsys):
+def test_truncated_inside_metadata(demo_gguf, tmp_path, capsys):
     path = tmp_path / "cut.gguf"
-    path.write_bytes(demo.read_bytes()[:2000])
+    path.write_bytes(demo_gguf.read_bytes()[:2000])
     assert "cut.gguf" in logits_error(path, tmp_path, capsys)
 
 
-def test_unknown_architecture(demo, tmp_path, capsys):
+def test_unknown_architecture(demo_gguf, tmp_path, capsys):
     path = tmp_path / "arch.gguf"
-    rewrite_gguf(demo, path, arch="mamba")
+    rewrite_gguf(demo_gguf, path, arch="mamba")
     line = logits_error(path, tmp_path, capsys)
     assert "'mamba'" in line and "not supported" in line
 
 
-def test_missing_key(demo, tmp_path, capsys):
+def test_missing_key(demo_gguf, tmp_path, capsys):
     path = tmp_path / "key.gguf"
-    rewrite_gguf(demo, path, drop_keys=("qwen3moe.embedding_length",))
+    rewrite_gguf(demo_gguf, path, drop_keys=("qwen3moe.embedding_length",))
     assert "missing metadata key 'qwen3moe.embedding_length'" in logits_error(path, tmp_path, capsys)
 
 
-def test_missing_tensor(demo, tmp_path, capsys):
+def test_missing_tensor(demo_gguf, tmp_path, capsys):
     path = tmp_path / "tensor.gguf"
-    rewrite_gguf(demo, path, drop_tensors=("blk.1.attn_k.weight",))
+    rewrite_gguf(demo_gguf, path, drop_tensors=("blk.1.attn_k.weight",))
     assert "missing tensor 'blk.1.attn_k.weight'" in logits_error(path, tmp_path, capsys)
 
 
-def test_unsupported_quant_type(demo, tmp_path, capsys):
+def test_unsupported_quant_type(demo_gguf, tmp_path, capsys):
     path = tmp_path / "iq.gguf"
 
     def to_iq4_nl(name, data, qtype):
@@ -77,11 +69,11 @@ def test_unsupported_quant_type(demo, tmp_path, capsys):
         rows, cols = 64, 64  # IQ4_NL: 32 values in 18 bytes
         return np.zeros((rows, cols // 32 * 18), dtype=np.uint8), GGMLQuantizationType.IQ4_NL
 
-    rewrite_gguf(demo, path, edit_tensor=to_iq4_nl)
+    rewrite_gguf(demo_gguf, path, edit_tensor=to_iq4_nl)
     line = logits_error(path, tmp_path, capsys)
     assert "'blk.0.attn_q.weight'" in line and "IQ4_NL" in line
 
 
-def test_bad_token_ids(demo, tmp_path, capsys):
-    code = main(["logits", str(demo), "--token-ids", "1,99999", "--out", str(tmp_path / "x.npy")])
+def test_bad_token_ids(demo_gguf, tmp_path, capsys):
+    code = main(["logits", str(demo_gguf), "--token-ids", "1,99999", "--out", str(tmp_path / "x.npy")])
     assert code == 2 and "--token-ids" in capsys.readouterr().err
