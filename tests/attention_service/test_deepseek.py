@@ -27,8 +27,8 @@ from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from attention_service.routing import route
 from modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from splitmoe.cli import main
-from tests.attention_service.test_hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids
-from tests.attention_service.test_hf_to_gguf_layout import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
+from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids
+from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
 from tests.support.hf_to_gguf import F32, Q8_0, convert
 
 ARCHS = ["deepseek2", "deepseek3"]

@@ -21,7 +21,7 @@ from attention_service import transformer
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from kernels.moe import SWIGLU_OAI_LIMIT
 from splitmoe.cli import main
-from tests.attention_service.test_hf_reference import NEAR_TIE, hf_logits, max_abs, rel_l2, routing_flips
+from tests.support.hf_reference import NEAR_TIE, build_model, hf_logits, max_abs, rel_l2, routing_flips
 from tests.support.hf_to_gguf import Q8_0, convert
 
 QUANTS = ["q8_0", "q4_k_m", "mxfp4_moe"]
@@ -147,7 +147,7 @@ VOCAB, NUM_TOKENS, WINDOW = 300, 40, 8
 
 
 def gpt_oss_model(seed: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    from transformers import GptOssConfig
 
     # Past the window (8) and YaRN's original context (32). `truncate: true` is what the GGUF
     # implies; with head_dim 16 it rounds the ramp to pairs 0-2 instead of 0-1.41.
@@ -158,30 +158,20 @@ def gpt_oss_model(seed: int) -> torch.nn.Module:
         head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
         max_position_embeddings=128, rope_theta=1e4, rope_scaling=rope, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                             experts_implementation="eager")
-    reinitialise(model, torch.Generator().manual_seed(seed))
-    return model.eval()
+    return build_model(config, seed, special=_gpt_oss_init)
 
 
-@torch.no_grad()
-def reinitialise(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """As the fixtures were made; gpt-oss's expert matrices are stored [E, in, out]."""
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen)
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * noise)
-        elif name.endswith("bias"):
-            p.copy_(0.1 * noise)
-        elif name.endswith("sinks") or "embed_tokens" in name:
-            p.copy_(noise)
-        elif name.endswith("gate_up_proj"):  # x3: some gate/up values pass the clamp limit of 7
-            p.copy_(3 * noise / p.shape[1] ** 0.5)
-        elif name.endswith("down_proj"):
-            p.copy_(noise / p.shape[1] ** 0.5)
-        else:
-            p.copy_(noise / p.shape[-1] ** 0.5)
+def _gpt_oss_init(name: str, p: torch.nn.Parameter, noise: torch.Tensor) -> bool:
+    """gpt-oss stores expert matrices [E, in, out], and its sinks are logits of O(1)."""
+    if name.endswith("sinks"):
+        p.copy_(noise)
+    elif name.endswith("gate_up_proj"):  # x3: some gate/up values pass the clamp limit of 7
+        p.copy_(3 * noise / p.shape[1] ** 0.5)
+    elif name.endswith("down_proj"):
+        p.copy_(noise / p.shape[1] ** 0.5)
+    else:
+        return False
+    return True
 
 
 def test_tiny_model_float32_matches_transformers(tmp_path):

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from attention_service import transformer
-from splitmoe.cli import main
+from tests.support.hf_reference import (NEAR_TIE, VOCAB, build_model, hf_logits, max_abs, rel_l2, routing_flips,
+                                        splitmoe_logits, token_ids)
 from tests.support.hf_to_gguf import F32, Q8_0, convert
 
-VOCAB = 300
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
               max_position_embeddings=256, tie_word_embeddings=False,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)  # config defaults lie outside VOCAB
@@ -65,57 +65,6 @@ CONFIGS = {"qwen3moe": qwen3moe_config, "qwen2moe": qwen2moe_config, "mixtral": 
            "olmoe": olmoe_config}
 
 
-def build_model(config, seed: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager",
-                                             experts_implementation="eager")
-    reinitialise(model, torch.Generator().manual_seed(seed))
-    return model.eval()
-
-
-@torch.no_grad()
-def reinitialise(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Weights that keep activations O(1), as the fixtures' are: transformers' 0.02 init would not."""
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen)
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * noise)
-        elif name.endswith("bias"):
-            p.copy_(0.1 * noise)
-        elif "embed_tokens" in name:
-            p.copy_(noise)
-        else:  # matrices, 3-D experts included: the last dim is the input
-            p.copy_(noise / p.shape[-1] ** 0.5)
-
-
-@torch.no_grad()
-def hf_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
-
-
-def splitmoe_logits(path: Path, ids: list[int], dtype: str = "float32") -> np.ndarray:
-    out = path.with_suffix(f".{dtype}.npy")
-    args = ["logits", str(path), "--token-ids", ",".join(map(str, ids)), "--out", str(out), "--dtype", dtype,
-            "--device", "cpu"]
-    assert main(args) == 0
-    return np.load(out)
-
-
-def token_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def max_abs(x: np.ndarray, ref: np.ndarray) -> float:
-    assert x.shape == ref.shape
-    return float(np.abs(x - ref).max())
-
-
-def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 @dataclass
 class Case:
     arch: str
@@ -140,9 +89,6 @@ def test_float32_matches_transformers(case):
 
 
 # A router-logit gap between the k-th and (k+1)-th expert that bf16 rounding may close.
-NEAR_TIE = 0.05
-
-
 def test_bfloat16_close_to_transformers(case, monkeypatch):
     """bf16 weights move every logit by ~0.5 %; where that flips a near-tied expert choice, one
     position moves by up to ~30 % (a different expert is a different function), as llama.cpp's
@@ -172,18 +118,6 @@ def routed_logits(monkeypatch, case: Case, dtype: str):
     got = splitmoe_logits(case.f32_gguf, case.ids, dtype)
     monkeypatch.setattr(transformer, "route", real_route)
     return routes, got
-
-
-def routing_flips(reference, other) -> dict[int, tuple[int, float]]:
-    """position -> (first layer whose expert set differs, that layer's top-k boundary logit gap)."""
-    flips: dict[int, tuple[int, float]] = {}
-    for layer, ((logits, ids), (_, other_ids)) in enumerate(zip(reference, other)):
-        top_k = ids.shape[1]
-        ranked = logits.sort(dim=-1, descending=True).values
-        for t in range(ids.shape[0]):
-            if t not in flips and set(ids[t].tolist()) != set(other_ids[t].tolist()):
-                flips[t] = (layer, float(ranked[t, top_k - 1] - ranked[t, top_k]))
-    return flips
 
 
 def test_q8_0_matches_transformers_on_dequantized_weights(case, tmp_path):

@@ -8,13 +8,13 @@ dequantized `-q8_0.gguf` files, and our own Q8_0 must reproduce llama-quantize's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
 from tests.support.hf_to_gguf import F32, Q8_0, convert
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
@@ -28,30 +28,6 @@ REFERENCE = {
     "olmoe": "olmoe-q8_0.gguf",
 }
 # Naming keys derived from the directory and parameter count, not hyper-parameters.
-NAMING_KEYS = {"general.name", "general.size_label"}
-
-
-class Parsed(NamedTuple):
-    """One GGUF read once (gguf-py's reader takes a while over a 2048-token vocab)."""
-
-    tensors: dict[str, gguf.ReaderTensor]
-    metadata: dict
-
-
-def parse(path: Path) -> Parsed:
-    reader = gguf.GGUFReader(path)
-    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    return Parsed({t.name: t for t in reader.tensors}, metadata)
-
-
-def torch_shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(t.shape))
-
-
-def values(t: gguf.ReaderTensor) -> np.ndarray:
-    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(torch_shape(t))
-
-
 @pytest.fixture(scope="module", params=list(REFERENCE))
 def case(request, tmp_path_factory):
     """(reference GGUF, our conversion in the reference's tensor type, our f32 conversion), parsed."""
@@ -96,13 +72,6 @@ def test_f32_within_q8_0_rounding_of_llama_cpp(case):
             assert np.array_equal(ours, expected.astype(np.float32)), name
         else:
             assert np.all(np.abs(ours - expected) <= q8_0_error_bound(ours)), name
-
-
-def q8_0_error_bound(x: np.ndarray) -> np.ndarray:
-    """Per element: d/2 for the block's scale d = amax/127, plus the fp16 rounding of d (≤ 127·d·2⁻¹¹)."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    d = np.abs(blocks).max(axis=-1, keepdims=True) / 127
-    return np.broadcast_to(d * (0.5 + 127 * 2.0**-11) + 1e-12, blocks.shape).reshape(x.shape)
 
 
 def test_same_metadata(case):
