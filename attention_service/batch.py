@@ -22,6 +22,7 @@ class StepBatch:
     new_slots: torch.Tensor  # [T]: where each new token's KV is written
     seqs: tuple[SeqSlice, ...]
     logits_rows: torch.Tensor  # rows of the batch whose logits are wanted
+    experts_per_token: torch.Tensor | None = None  # [T]; None: every token uses the model's own k
 
     @property
     def num_tokens(self) -> int:

@@ -63,7 +63,7 @@ class InProcessExperts:
                 expert_weights: torch.Tensor) -> torch.Tensor:
         ids = expert_ids.cpu()
         counts = self._counts[layer]
-        counts += torch.bincount(ids.flatten(), minlength=counts.numel())
+        counts += torch.bincount(ids[ids >= 0], minlength=counts.numel())  # -1: a dropped slot
         out = self.shard.forward(layer, hidden.cpu(), ids, expert_weights.cpu())
         return out.to(hidden.device)
 

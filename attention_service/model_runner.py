@@ -6,6 +6,7 @@ together and returns their logits.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ class Sequence:
     seq_id: int
     token_ids: list[int]
     num_cached_tokens: int = 0  # tokens whose KV is already in the cache
+    num_experts_per_token: int = 0  # routed experts per token; 0: the model's own (or the server's)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +43,7 @@ class RunnerOptions:
     device: torch.device = field(default_factory=lambda: default_device())
     kv_cache_tokens: int = 4096
     kv_block_tokens: int = 16
+    experts_per_token: int = 0  # 0: the model's own; else every request's default (fewer is faster)
 
 
 def default_device() -> torch.device:
@@ -62,6 +65,9 @@ class ModelRunner:
         g = model if isinstance(model, GGUFFile) else GGUFFile(model)
         spec = arch_spec(g.arch, g.path.name)
         cfg = ModelConfig.from_gguf(g, spec.hparam_defaults)
+        if options.experts_per_token:
+            check_experts_per_token(options.experts_per_token, cfg)
+            cfg = dataclasses.replace(cfg, num_experts_used=options.experts_per_token)
         weights = load_weights(g, spec, cfg, options.dtype, options.device)
         model = MoETransformer(cfg, spec, weights, experts or InProcessExperts(g))
         return cls(g, cfg, model, options)
@@ -84,7 +90,7 @@ class ModelRunner:
         self.blocks.free(seq.seq_id)
 
     def _build_batch(self, seqs: list[Sequence], num_new_tokens: list[int], all_logits: bool) -> StepBatch:
-        ids, positions, new_slots, slices, logits_rows = [], [], [], [], []
+        ids, positions, new_slots, slices, logits_rows, experts = [], [], [], [], [], []
         row = 0
         for s, n in zip(seqs, num_new_tokens):
             start, end = s.num_cached_tokens, s.num_cached_tokens + n
@@ -97,6 +103,7 @@ class ModelRunner:
             new_slots.append(context[start:])
             slices.append(SeqSlice(row, row + n, context.to(self.options.device)))
             logits_rows.extend(range(row, row + n) if all_logits else [row + n - 1])
+            experts.extend([s.num_experts_per_token or self.cfg.num_experts_used] * n)
             row += n
         dev = self.options.device
         return StepBatch(
@@ -105,4 +112,17 @@ class ModelRunner:
             new_slots=torch.cat(new_slots).to(dev),
             seqs=tuple(slices),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            experts_per_token=self._experts_per_token(seqs, experts),
         )
+
+    def _experts_per_token(self, seqs: list[Sequence], per_token: list[int]) -> torch.Tensor | None:
+        if all(s.num_experts_per_token in (0, self.cfg.num_experts_used) for s in seqs):
+            return None
+        for s in seqs:
+            check_experts_per_token(s.num_experts_per_token or self.cfg.num_experts_used, self.cfg)
+        return torch.tensor(per_token, dtype=torch.long, device=self.options.device)
+
+
+def check_experts_per_token(k: int, cfg: ModelConfig) -> None:
+    if not 1 <= k <= cfg.num_experts:
+        raise ValueError(f"experts per token must lie in [1, {cfg.num_experts}], got {k}")

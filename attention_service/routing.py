@@ -45,3 +45,17 @@ def _biased_grouped_top_k(probs: torch.Tensor, top_k: int, bias: torch.Tensor | 
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         scores = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
     return torch.topk(scores, top_k, dim=-1).indices
+
+
+def limit_experts(ids: torch.Tensor, weights: torch.Tensor, experts_per_token: torch.Tensor,
+                  renormalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each token's first `experts_per_token[t]` experts (ids come best first); drop the rest.
+
+    Dropped slots get id -1, which no expert backend computes. Where the model renormalises its
+    top-k weights, the kept ones are renormalised to the same total, as if k had been smaller.
+    """
+    keep = torch.arange(ids.shape[1], device=ids.device)[None, :] < experts_per_token[:, None]
+    kept = weights * keep
+    if renormalized:
+        kept = kept * (weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True))
+    return ids.masked_fill(~keep, -1), kept

@@ -13,9 +13,9 @@ from attention_service.experts_client import ExpertBackend
 from attention_service.kv_cache import KVCache
 from attention_service.layers import linear, rms_norm, swiglu
 from attention_service.models.base import ArchSpec
-from attention_service.routing import route
+from attention_service.routing import limit_experts, route
 from attention_service.weights import LayerWeights, ModelWeights
-from modelfile.hparams import ModelConfig
+from modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
 
 
 class MoETransformer:
@@ -36,20 +36,25 @@ class MoETransformer:
         x = w.token_embedding[batch.token_ids].float()
         for i, layer in enumerate(w.layers):
             x = x + self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
-            x = x + self._ffn(i, layer, rms_norm(x, layer.ffn_norm, eps))
+            x = x + self._ffn(i, layer, rms_norm(x, layer.ffn_norm, eps), batch)
         x = rms_norm(x[batch.logits_rows], w.output_norm, eps).to(self.dtype)
         return linear(x, w.output).float()
 
-    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """h32: the normed input in float32; the router and gates read it before rounding."""
         h = h32.to(self.dtype)
         if layer.moe is None:
             f = layer.dense_ffn
             return swiglu(h, f.gate, f.up, f.down)
         w, c = layer.moe, self.cfg
-        ids, weights = route(linear(h32, w.router, w.router_bias), c.num_experts_used, c.expert_gating,
+        per_token = batch.experts_per_token
+        top_k = c.num_experts_used if per_token is None else int(per_token.max())
+        ids, weights = route(linear(h32, w.router, w.router_bias), top_k, c.expert_gating,
                              c.expert_weights_norm, c.expert_weights_scale, selection_bias=w.selection_bias,
                              num_groups=c.num_expert_groups, num_groups_used=c.num_expert_groups_used)
+        if per_token is not None:
+            renormalized = c.expert_weights_norm or c.expert_gating == GATING_SOFTMAX_WEIGHT
+            ids, weights = limit_experts(ids, weights, per_token, renormalized)
         out = self.experts.forward(i, h, ids, weights).float()
         if w.shared is not None:
             shared = swiglu(h, w.shared.gate, w.shared.up, w.shared.down).float()
