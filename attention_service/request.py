@@ -5,8 +5,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from attention_service.detokenizer import Detokenizer
 from attention_service.model_runner import Sequence
+from attention_service.reasoning import OutputText
 from attention_service.sampling import RequestSampler, Sampled, SamplingOptions
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
@@ -17,7 +17,8 @@ class RequestOutput:
     """What one engine step produced for one request; `error` ends it unsuccessfully."""
 
     request_id: str
-    text: str = ""
+    text: str = ""  # new content: the answer, stop strings applied
+    reasoning_text: str = ""  # new reasoning, when the model's format separates it
     tokens: tuple[Sampled, ...] = ()
     finish_reason: str = ""
     num_prompt_tokens: int = 0
@@ -39,7 +40,7 @@ class GenerationRequest:
     seq: Sequence
     options: SamplingOptions
     sampler: RequestSampler
-    detokenizer: Detokenizer
+    detokenizer: OutputText  # tokens -> (reasoning, content) text, stop strings held back
     sink: OutputSink
     stop_ids: frozenset[int]
     max_context_tokens: int
@@ -60,11 +61,12 @@ class GenerationRequest:
     def accept(self, sampled: Sampled) -> RequestOutput:
         """Take the sampled token; say what to stream and whether the request is done."""
         self.seq.token_ids.append(sampled.token_id)
-        text = self.detokenizer.add(sampled.token_id)
+        delta = self.detokenizer.add(sampled.token_id)
         finish = self._finish_reason(sampled.token_id)
         if finish:
-            text += self.detokenizer.flush()
-        return RequestOutput(self.request_id, text, (sampled,) if self.options.logprobs else (), finish,
+            delta += self.detokenizer.flush()
+        return RequestOutput(self.request_id, delta.content, delta.reasoning,
+                             (sampled,) if self.options.logprobs else (), finish,
                              self.num_prompt_tokens, self.num_output_tokens)
 
     def _finish_reason(self, token_id: int) -> str:

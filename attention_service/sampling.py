@@ -24,6 +24,7 @@ class SamplingOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    num_experts_per_token: int = 0  # routed experts per token for this request; 0: the server's
 
     def __post_init__(self):
         if self.max_tokens < 0:

@@ -48,6 +48,7 @@ def sampling_options(p: pb.SamplingParams, context_tokens: int) -> SamplingOptio
         logprobs=p.logprobs or p.top_logprobs > 0,
         top_logprobs=p.top_logprobs,
         ignore_eos=p.ignore_eos,
+        num_experts_per_token=p.num_experts_per_token,
     )
 
 
@@ -87,18 +88,24 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         with _tracer.start_as_current_span("attention.generate", context=parent) as span:
             span.set_attribute("splitmoe.request_id", request_id)
             span.set_attribute("splitmoe.prompt_tokens", len(ids))
-            async for response in self._generate(model, request_id, ids, request.sampling, context):
+            async for response in self._generate(model, request_id, ids, request, context):
                 yield response
 
-    async def _generate(self, model: ServingModel, request_id: str, ids: list[int], params, context):
+    async def _generate(self, model: ServingModel, request_id: str, ids: list[int], request: pb.GenerateRequest,
+                        context):
         try:
-            options = sampling_options(params, model.max_context_tokens)
+            options = sampling_options(request.sampling, model.max_context_tokens)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        gen_request = model.new_request(request_id, ids, options,
-                                        lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        try:
+            gen_request = model.new_request(request_id, ids, options,
+                                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+                                            chat=request.WhichOneof("prompt") == "chat",
+                                            reasoning_inline=request.reasoning_inline)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         gen_request.trace_context = trace.get_current_span().get_span_context()
         try:
             model.engine.submit(gen_request)
@@ -118,7 +125,8 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                 model.engine.abort(request_id)
 
     def _response(self, model: ServingModel, out: RequestOutput) -> pb.GenerateResponse:
-        response = pb.GenerateResponse(text=out.text, finish_reason=out.finish_reason,
+        response = pb.GenerateResponse(text=out.text, reasoning_text=out.reasoning_text,
+                                       finish_reason=out.finish_reason,
                                        tokens=[_token_out(model, t.token_id, t.logprob, t.top) for t in out.tokens])
         if out.finished:
             response.usage.prompt_tokens = out.num_prompt_tokens

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from attention_service.detokenizer import Detokenizer
 from attention_service.engine import Engine
 from attention_service.experts_client import (ExpertBackend, ExpertsUnavailable, InProcessExperts, RemoteExperts,
                                               RemoteExpertsSettings)
-from attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence, default_device
+from attention_service.model_runner import (DTYPES, ModelRunner, RunnerOptions, Sequence, check_experts_per_token,
+                                           default_device)
+from attention_service.reasoning import ReasoningFormat, detect_reasoning_format, output_text
 from attention_service.request import GenerationRequest, OutputSink
 from attention_service.sampling import RequestSampler, SamplingOptions
 from attention_service.scheduler import Scheduler
@@ -42,6 +43,7 @@ class ServingModel:
     template: ChatTemplate
     model_id: str
     max_context_tokens: int  # the smaller of the model's context and the KV cache
+    reasoning: ReasoningFormat | None = None  # from the vocabulary; found even when settings say none
 
     def __post_init__(self):
         self._seq_ids = itertools.count()
@@ -67,15 +69,21 @@ class ServingModel:
             raise ValueError(f"This model's maximum context length is {self.max_context_tokens} tokens, "
                              f"but the prompt has {len(ids)} tokens.")
 
-    def new_request(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
-                    sink: OutputSink) -> GenerationRequest:
+    def new_request(self, request_id: str, prompt_ids: list[int], options: SamplingOptions, sink: OutputSink,
+                    chat: bool = False, reasoning_inline: bool = False) -> GenerationRequest:
+        """`chat`: the prompt came from the chat template, so the reply's reasoning is parsed out
+        (unless it is asked inline, here or in the settings)."""
         self.check_prompt(prompt_ids)
+        if options.num_experts_per_token:
+            check_experts_per_token(options.num_experts_per_token, self.runner.cfg)
+        inline = reasoning_inline or self.settings.reasoning_format == "none"
         return GenerationRequest(
             request_id=request_id,
-            seq=Sequence(next(self._seq_ids), list(prompt_ids)),
+            seq=Sequence(next(self._seq_ids), list(prompt_ids), num_experts_per_token=options.num_experts_per_token),
             options=options,
             sampler=RequestSampler(options, self.vocab_size),
-            detokenizer=Detokenizer(self.tokenizer, options.stop),
+            detokenizer=output_text(self.tokenizer, options.stop, self.reasoning, prompt_ids,
+                                    parse=chat, inline=inline),
             sink=sink,
             stop_ids=self.tokenizer.stop_ids,
             max_context_tokens=self.max_context_tokens,
@@ -85,7 +93,7 @@ class ServingModel:
 def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | None = None) -> ServingModel:
     device = torch.device(settings.device) if settings.device else default_device()
     options = RunnerOptions(dtype=DTYPES[settings.dtype], device=device, kv_cache_tokens=settings.kv_cache_tokens,
-                            kv_block_tokens=settings.kv_block_tokens)
+                            kv_block_tokens=settings.kv_block_tokens, experts_per_token=settings.experts_per_token)
     g = GGUFFile(settings.model_path)
     runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
@@ -97,9 +105,11 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
         template=ChatTemplate.from_gguf_metadata(runner.gguf.metadata, tokenizer),
         model_id=settings.served_model_name or Path(settings.model_path).stem,
         max_context_tokens=min(runner.cfg.context_tokens, settings.kv_cache_tokens),
+        reasoning=detect_reasoning_format(tokenizer),
     )
-    log.info("model %s loaded: %s, %d layers, dtype %s on %s", model.model_id, runner.cfg.arch,
-             runner.cfg.num_layers, settings.dtype, device)
+    log.info("model %s loaded: %s, %d layers, dtype %s on %s, reasoning format %s (%s)", model.model_id,
+             runner.cfg.arch, runner.cfg.num_layers, settings.dtype, device,
+             model.reasoning.name if model.reasoning else "none", settings.reasoning_format)
     return model
 
 

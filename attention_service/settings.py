@@ -21,11 +21,15 @@ class AttentionSettings:
     local_expert_layers: int = 0  # the first N MoE layers' experts stay in-process
     transport: str = "auto"  # auto | grpc | shm
     expert_timeout_s: float = 30.0
+    experts_per_token: int = 0  # 0: the model's own; fewer trades quality for speed (KTransformers)
     otlp_endpoint: str = ""
+    reasoning_format: str = "auto"  # auto: chat replies carry reasoning apart | none: inline, in the content
 
     def __post_init__(self):
         if self.transport not in ("auto", "grpc", "shm"):
             raise ValueError(f"transport must be auto, grpc or shm, not {self.transport!r}")
+        if self.reasoning_format not in ("auto", "none"):
+            raise ValueError(f"reasoning_format must be auto or none, not {self.reasoning_format!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
         if self.max_batch_tokens < 1 or self.max_running_seqs < 1:

@@ -26,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep the first N MoE layers' experts in this process (like llama.cpp --n-cpu-moe)")
     p.add_argument("--transport", choices=["auto", "grpc", "shm"], default="auto")
     p.add_argument("--expert-timeout-s", type=float, default=30.0)
+    p.add_argument("--experts-per-token", type=int, default=0, metavar="K",
+                   help="routed experts per token (default: the model's own); requests may override it")
+    p.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
+                   help="auto: chat replies return the model's reasoning apart from the content (harmony or "
+                        "<think> tags, found in the vocabulary); none: reasoning stays inline in the content")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.set_defaults(run=run)
 
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,
         max_waiting_requests=args.max_waiting, expert_services=args.expert_services,
         local_expert_layers=args.local_experts, transport=args.transport,
-        expert_timeout_s=args.expert_timeout_s, otlp_endpoint=otlp_endpoint())
+        expert_timeout_s=args.expert_timeout_s, experts_per_token=args.experts_per_token,
+        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format)
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -120,3 +120,12 @@ def test_chat_prompt_and_stop_string(service):
     responses = list(service.Generate(request, timeout=30))
     cut = "".join(r.text for r in responses)
     assert cut == text[: text.index(stop)] and responses[-1].finish_reason == "stop"
+
+
+def test_a_request_may_ask_for_fewer_experts_per_token(service, demo_gguf):
+    top1 = ModelRunner.from_gguf(demo_gguf, RunnerOptions(kv_cache_tokens=512, experts_per_token=1))
+    ids = PROMPTS[2]
+    assert generate(service, ids, num_experts_per_token=1) == list(greedy_tokens(top1, ids, 12))
+    with pytest.raises(grpc.RpcError) as e:
+        generate(service, ids, num_experts_per_token=99)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "experts per token" in e.value.details()
