@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from splitmoe.supervisor import die_with_supervisor
+
 COMMAND_MODULES = (
     "splitmoe.commands.model",
     "splitmoe.commands.serve_experts",
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_supervisor()
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -23,3 +23,16 @@ def log_level() -> str:
 
 def setup_logging() -> None:
     logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+_PARENT_PID = "SPLITMOE_DIE_WITH_PARENT_PID"
+
+
+def child_env(die_with_parent_pid: int) -> dict[str, str]:
+    """The environment for a supervised child: ours, plus who it must not outlive."""
+    return {**os.environ, _PARENT_PID: str(die_with_parent_pid)}
+
+
+def die_with_parent_pid() -> int | None:
+    value = os.environ.get(_PARENT_PID)
+    return int(value) if value else None

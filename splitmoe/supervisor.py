@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
+from splitmoe import settings
+
 POLL_S = 0.2
 PROBE_TIMEOUT_S = 1.0
 LOG_TAIL_LINES = 25
@@ -137,32 +139,32 @@ def redact(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """Linux only: a pre-exec hook asking for SIGTERM when this process dies."""
-    if not sys.platform.startswith("linux"):
-        return None
+def die_with_supervisor() -> None:
+    """In a child of `splitmoe up`: ask Linux for SIGTERM when the supervisor dies, even by SIGKILL."""
+    parent = settings.die_with_parent_pid()
+    if parent is None or not sys.platform.startswith("linux"):
+        return
     import ctypes
 
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the hook runs after fork
-    pr_set_pdeathsig, parent = 1, os.getpid()
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
-        if os.getppid() != parent:  # the supervisor died before the hook ran
-            os._exit(1)
-
-    return hook
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != parent:  # it died before we asked
+        raise SystemExit("splitmoe: the supervising `splitmoe up` is gone")
 
 
 class Child:
     """One started service: its process, log file and health probe."""
 
-    def __init__(self, spec: ServiceSpec, log_path: Path, preexec: Callable[[], None] | None):
+    def __init__(self, spec: ServiceSpec, log_path: Path):
         self.spec, self.log_path = spec, log_path
         self.probe = spec.make_probe()
+        # No preexec_fn: it makes Python fork() instead of vfork(), and gRPC's at-fork handlers then
+        # restart its poller in the child, which dies (SIGABRT) when close_fds closes the poller's
+        # fd before exec. The child asks for SIGTERM on our death itself (splitmoe.cli).
+        env = settings.child_env(die_with_parent_pid=os.getpid())
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=preexec)
+                                         start_new_session=True, env=env)
 
     @property
     def name(self) -> str:
@@ -230,7 +232,6 @@ class Supervisor:
         self.num_signals = 0
         self._signals_at_stop = 0
         self._previous_handlers: dict[int, object] = {}
-        self._preexec = _pdeathsig_preexec()
 
     def __enter__(self) -> "Supervisor":
         for sig in STOP_SIGNALS:
@@ -257,7 +258,7 @@ class Supervisor:
         stage: list[Child] = []
         self.stages.append(stage)
         for spec in specs:
-            stage.append(Child(spec, self.run_dir / f"{spec.name}.log", self._preexec))
+            stage.append(Child(spec, self.run_dir / f"{spec.name}.log"))
             self.write_manifest()
         self._wait_healthy(stage)
         return stage

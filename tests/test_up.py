@@ -43,6 +43,8 @@ import signal, sys, time
 from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from splitmoe.supervisor import die_with_supervisor  # what every `splitmoe` command does first
+die_with_supervisor()
 port, behaviour = int(sys.argv[1]), sys.argv[2]
 print("fake service starting", flush=True)
 if behaviour == "crash":
