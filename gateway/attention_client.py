@@ -2,6 +2,8 @@
 
 Every call carries a deadline from settings and the current trace context; every gRPC failure
 becomes an `AttentionError` that already knows its HTTP status, so handlers never see grpc types.
+This is the gateway's only protobuf module: calls take and return attention_types' dataclasses,
+and the functions at the end convert them to messages and back.
 """
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.attention_types import (
+    AttentionStats, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, Prompt, SamplingParams,
+    ScoreParams, ScoreResult, TokenLogprob, TopLogprob, Usage,
+)
 from gateway.settings import GatewaySettings
 from proto import attention_pb2 as pb
 from proto.attention_pb2_grpc import AttentionServiceStub
@@ -32,6 +38,10 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
+    # gRPC backs off up to 120 s between reconnects; an attention service that (re)starts should be
+    # found within a second, not minutes later. Retrying one loopback or LAN address is cheap.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 )
 
 
@@ -68,28 +78,92 @@ class AttentionClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
         """The response stream; closing it early (or cancelling its task) cancels the call."""
-        call = self._stub.Generate(request, timeout=self._request_timeout_s, metadata=inject_grpc_metadata())
+        call = self._stub.Generate(generate_request(params), timeout=self._request_timeout_s,
+                                   metadata=inject_grpc_metadata())
         try:
             async for response in call:
-                yield response
+                yield chunk_of(response)
         except grpc.aio.AioRpcError as e:
             raise AttentionError.from_rpc(e, self._request_timeout_s) from None
         finally:
             call.cancel()  # a no-op once the stream ended; otherwise it aborts the generation
 
-    async def score(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
-        return await self._unary(self._stub.Score, request, self._request_timeout_s)
+    async def score(self, params: ScoreParams) -> ScoreResult:
+        return score_result_of(await self._unary(self._stub.Score, score_request(params), self._request_timeout_s))
 
-    async def model_info(self) -> pb.ModelInfoResponse:
-        return await self._unary(self._stub.ModelInfo, pb.ModelInfoRequest(), self._probe_timeout_s)
+    async def model_info(self) -> ModelInfo:
+        return model_info_of(await self._unary(self._stub.ModelInfo, pb.ModelInfoRequest(), self._probe_timeout_s))
 
-    async def stats(self) -> pb.AttentionStats:
-        return await self._unary(self._stub.GetStats, pb.AttentionStatsRequest(), self._probe_timeout_s)
+    async def stats(self) -> AttentionStats:
+        stats = await self._unary(self._stub.GetStats, pb.AttentionStatsRequest(), self._probe_timeout_s)
+        return stats_of(stats)
 
     async def _unary(self, method, request, timeout_s: float):
         try:
             return await method(request, timeout=timeout_s, metadata=inject_grpc_metadata())
         except grpc.aio.AioRpcError as e:
             raise AttentionError.from_rpc(e, timeout_s) from None
+
+
+# ------------------------------------------------------------------------ dataclasses <-> messages
+
+def generate_request(params: GenerateParams) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=params.request_id, sampling=sampling_message(params.sampling),
+                              **_prompt_field(params.prompt))
+
+
+def score_request(params: ScoreParams) -> pb.ScoreRequest:
+    return pb.ScoreRequest(request_id=params.request_id, top_logprobs=params.top_logprobs,
+                           **_prompt_field(params.prompt))
+
+
+def sampling_message(s: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        seed=s.seed, stop=s.stop, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs, top_logprobs=s.top_logprobs, ignore_eos=s.ignore_eos,
+        num_experts_per_token=s.num_experts_per_token)  # seed None leaves the optional field unset
+
+
+def _prompt_field(prompt: Prompt) -> dict:
+    """The `prompt` oneof: text, token ids or a chat."""
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, tuple):
+        return {"token_ids": pb.TokenIds(ids=prompt)}
+    messages = [pb.ChatMessage(role=m.role, content=m.content) for m in prompt.messages]
+    return {"chat": pb.ChatPrompt(messages=messages, add_generation_prompt=prompt.add_generation_prompt)}
+
+
+def chunk_of(response: pb.GenerateResponse) -> GenerateChunk:
+    usage = None
+    if response.HasField("usage"):
+        usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
+    return GenerateChunk(text=response.text, tokens=_tokens_of(response.tokens),
+                         finish_reason=response.finish_reason or None, usage=usage)
+
+
+def score_result_of(response: pb.ScoreResponse) -> ScoreResult:
+    return ScoreResult(tokens=_tokens_of(response.tokens), prompt_tokens=response.usage.prompt_tokens,
+                       text=response.text)
+
+
+def _tokens_of(tokens) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(token=t.token, token_bytes=t.token_bytes, logprob=t.logprob,
+                              top=tuple(TopLogprob(c.token, c.token_bytes, c.logprob) for c in t.top))
+                 for t in tokens)
+
+
+def model_info_of(info: pb.ModelInfoResponse) -> ModelInfo:
+    return ModelInfo(ready=info.ready, model_id=info.model_id, context_tokens=info.context_tokens)
+
+
+def stats_of(s: pb.AttentionStats) -> AttentionStats:
+    hops = tuple(HopStats(address=h.expert_address, healthy=h.healthy, num_hops=h.num_hops, hop_s_total=h.hop_s_total,
+                          compute_s_total=h.compute_s_total, bytes_total=h.bytes_total) for h in s.hops)
+    tokens = tuple(ExpertTokens(layer=e.layer, expert=e.expert, tokens=e.tokens) for e in s.expert_tokens)
+    return AttentionStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+                          num_steps=s.num_steps, max_batch_tokens_seen=s.max_batch_tokens_seen,
+                          max_batch_seqs_seen=s.max_batch_seqs_seen, hops=hops, expert_tokens=tokens)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from proto.attention_pb2 import AttentionStats
+from gateway.attention_types import AttentionStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets (v1/metrics/loggers.py), so dashboards built for vLLM read ours unchanged.
@@ -51,7 +49,7 @@ class GatewayMetrics:
     def request_timer(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
         return RequestTimer(self, clock)
 
-    def render(self, stats: "AttentionStats | None") -> bytes:
+    def render(self, stats: AttentionStats | None) -> bytes:
         """The exposition text, with the attention service's figures from `stats` (None: unreachable)."""
         self.stats.update(stats)
         return generate_latest(self.registry)
@@ -91,7 +89,7 @@ class StatsCollector(Collector):
     def __init__(self) -> None:
         self._stats: AttentionStats | None = None
 
-    def update(self, stats: "AttentionStats | None") -> None:
+    def update(self, stats: AttentionStats | None) -> None:
         self._stats = stats
 
     def describe(self) -> list[Metric]:
@@ -112,7 +110,7 @@ class StatsCollector(Collector):
         yield tokens
 
 
-def _scheduler_families(s: "AttentionStats") -> Iterator[Metric]:
+def _scheduler_families(s: AttentionStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("splitmoe:num_requests_running", "Sequences in the running batch.", value=s.num_running)
     yield GaugeMetricFamily("splitmoe:num_requests_waiting", "Requests queued for admission.", value=s.num_waiting)
     yield GaugeMetricFamily("splitmoe:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.",
@@ -124,7 +122,7 @@ def _scheduler_families(s: "AttentionStats") -> Iterator[Metric]:
     yield CounterMetricFamily("splitmoe:scheduler_steps", "Scheduler steps run.", value=s.num_steps)
 
 
-def _hop_families(s: "AttentionStats") -> Iterator[Metric]:
+def _hop_families(s: AttentionStats) -> Iterator[Metric]:
     labels = ["address"]
     families = {
         "hop_s_total": CounterMetricFamily("splitmoe:expert_hop_seconds", "Wall time of expert hops.", labels=labels),
@@ -139,7 +137,7 @@ def _hop_families(s: "AttentionStats") -> Iterator[Metric]:
                                 labels=labels)
     for hop in s.hops:
         for field, family in families.items():
-            family.add_metric([hop.expert_address], getattr(hop, field))
-        healthy.add_metric([hop.expert_address], 1 if hop.healthy else 0)
+            family.add_metric([hop.address], getattr(hop, field))
+        healthy.add_metric([hop.address], 1 if hop.healthy else 0)
     yield from families.values()
     yield healthy

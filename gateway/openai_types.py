@@ -1,18 +1,19 @@
 """The HTTP vocabulary: OpenAI's request and response bodies, in the order of OpenAI's docs.
 
 Requests validate strictly (a string where a number belongs is a 400, as at OpenAI), accept and
-log unknown fields, and convert themselves to the attention service's `GenerateRequest` in one
-method. Responses are plain models; the handlers in serving.py fill them.
+log unknown fields, and convert themselves to the attention service's `GenerateParams` (and
+`ScoreParams`) in one method. Responses are plain models; the handlers in serving.py fill them.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from proto import attention_pb2 as pb
+from gateway.attention_types import ChatPrompt, ChatTurn, GenerateParams, SamplingParams, ScoreParams
 
 log = logging.getLogger(__name__)
 
@@ -120,27 +121,24 @@ class SamplingRequest(OpenAIBaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return [s for s in stops if s]
 
-    def sampling_params(self, max_tokens: int, top_logprobs: int | None) -> pb.SamplingParams:
+    def sampling_params(self, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
         """`top_logprobs` None: no logprobs; 0: the sampled token's only."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
-        if top_p == 0.0:  # the proto reads top_p 0 as 1.0; a nucleus of 0 keeps only the top token
+        if top_p == 0.0:  # the attention service reads top_p 0 as 1.0; a nucleus of 0 keeps only the top token
             temperature, top_p = 0.0, 1.0
-        return pb.SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(self.top_k or 0, 0),
-            min_p=self.min_p or 0.0, stop=self.stop_strings(),
+            min_p=self.min_p or 0.0, stop=tuple(self.stop_strings()),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, ignore_eos=self.ignore_eos,
             num_experts_per_token=self.num_experts_per_token or 0)
 
-    def seeded(self, params: pb.SamplingParams, choice: int) -> pb.SamplingParams:
+    def seeded(self, params: SamplingParams, choice: int) -> SamplingParams:
         """Choice i of n samples with seed + i, so `n` choices differ yet replay exactly."""
         if self.seed is None:
             return params
-        copy = pb.SamplingParams()
-        copy.CopyFrom(params)
-        copy.seed = (self.seed + choice + INT64_MAX + 1) % 2**64 - INT64_MAX - 1  # wraps within int64
-        return copy
+        return replace(params, seed=(self.seed + choice + INT64_MAX + 1) % 2**64 - INT64_MAX - 1)  # wraps in int64
 
 
 def fan_out(request_id: str, n: int) -> list[str]:
@@ -160,12 +158,12 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
-    def to_proto(self) -> pb.ChatMessage:
+    def to_turn(self) -> ChatTurn:
         role = "system" if self.role == "developer" else self.role  # chat templates know no "developer"
         content = self.content or ""
         if not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        return pb.ChatMessage(role=role, content=content)
+        return ChatTurn(role=role, content=content)
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -198,13 +196,13 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"response_format {self.response_format.type!r} is not supported")
         return self
 
-    def to_generate_requests(self, request_id: str) -> list[pb.GenerateRequest]:
-        """One GenerateRequest per choice (`n` of them)."""
+    def to_generate_params(self, request_id: str) -> list[GenerateParams]:
+        """One Generate call per choice (`n` of them)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or UNTIL_CONTEXT_END
         params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
-        chat = pb.ChatPrompt(messages=[m.to_proto() for m in self.messages],
-                             add_generation_prompt=self.add_generation_prompt)
-        return [pb.GenerateRequest(request_id=rid, chat=chat, sampling=self.seeded(params, i))
+        chat = ChatPrompt(messages=tuple(m.to_turn() for m in self.messages),
+                          add_generation_prompt=self.add_generation_prompt)
+        return [GenerateParams(request_id=rid, prompt=chat, sampling=self.seeded(params, i))
                 for i, rid in enumerate(fan_out(request_id, self.n))]
 
 
@@ -250,24 +248,25 @@ class CompletionRequest(SamplingRequest):
         """Score the prompt for its logprobs (echo), its text (echoed ids) or its length (max_tokens 0)."""
         return self.max_tokens == 0 or (self.echo and (self.logprobs is not None or not isinstance(self.prompt, str)))
 
-    def to_generate_requests(self, request_id: str) -> list[pb.GenerateRequest]:
-        """One GenerateRequest per (prompt, choice), prompt-major: choice index = prompt * n + i."""
+    def to_generate_params(self, request_id: str) -> list[GenerateParams]:
+        """One Generate call per (prompt, choice), prompt-major: choice index = prompt * n + i."""
         params, prompts = self.sampling_params(self.max_tokens, self.logprobs), self.prompts()
-        requests = []
+        calls = []
         for p, prompt in enumerate(prompts):
             ids = fan_out(f"{request_id}-p{p}" if len(prompts) > 1 else request_id, self.n)
-            requests += [pb.GenerateRequest(request_id=rid, sampling=self.seeded(params, i), **_prompt_field(prompt))
-                         for i, rid in enumerate(ids)]
-        return requests
+            calls += [GenerateParams(request_id=rid, prompt=_attention_prompt(prompt), sampling=self.seeded(params, i))
+                      for i, rid in enumerate(ids)]
+        return calls
 
-    def to_score_requests(self, request_id: str) -> list[pb.ScoreRequest]:
-        """One ScoreRequest per prompt (the prompt's own logprobs, for echo)."""
-        return [pb.ScoreRequest(request_id=f"{request_id}-score{p}", top_logprobs=self.logprobs or 0, **_prompt_field(prompt))
+    def to_score_params(self, request_id: str) -> list[ScoreParams]:
+        """One Score call per prompt (the prompt's own logprobs, for echo)."""
+        return [ScoreParams(request_id=f"{request_id}-score{p}", prompt=_attention_prompt(prompt),
+                            top_logprobs=self.logprobs or 0)
                 for p, prompt in enumerate(self.prompts())]
 
 
-def _prompt_field(prompt: Prompt) -> dict:
-    return {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=prompt)}
+def _attention_prompt(prompt: Prompt) -> str | tuple[int, ...]:
+    return prompt if isinstance(prompt, str) else tuple(prompt)
 
 
 # --------------------------------------------------------------------------------------- responses
@@ -283,19 +282,19 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
-class TopLogprob(BaseModel):
+class ChatCompletionLogProb(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-    refusal: list[TokenLogprob] | None = None
+    content: list[ChatCompletionLogProbsContent] | None = None
+    refusal: list[ChatCompletionLogProbsContent] | None = None
 
 
 class ChatResponseMessage(BaseModel):

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from gateway.attention_client import AttentionClient, AttentionError
+from gateway.attention_types import GenerateChunk, GenerateParams, ModelInfo, ScoreResult, TokenLogprob, TopLogprob
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.openai_types import (
-    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatResponseMessage, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, DeltaMessage, ErrorResponse, ModelCard, ModelList, TokenLogprob, TopLogprob, UsageInfo,
-    error_response,
+    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbsContent,
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice, ChatResponseMessage, CompletionChoice,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse, ModelCard, ModelList,
+    UsageInfo, error_response,
 )
-from proto import attention_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -38,32 +38,32 @@ MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps to the same value
 class ChoiceState:
     """What one choice (one Generate call) has produced so far."""
     text: list[str] = field(default_factory=list)
-    tokens: list[pb.TokenOut] = field(default_factory=list)
+    tokens: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
-    def add(self, response: pb.GenerateResponse) -> None:
-        self.text.append(response.text)
-        self.tokens.extend(response.tokens)
-        if response.finish_reason:
-            self.finish_reason = response.finish_reason
-        if response.HasField("usage"):
-            self.prompt_tokens = response.usage.prompt_tokens
-            self.completion_tokens = response.usage.completion_tokens
+    def add(self, chunk: GenerateChunk) -> None:
+        self.text.append(chunk.text)
+        self.tokens.extend(chunk.tokens)
+        if chunk.finish_reason:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.prompt_tokens = chunk.usage.prompt_tokens
+            self.completion_tokens = chunk.usage.completion_tokens
 
 
 class OpenStream:
     """A Generate stream whose first message has arrived; `aclose` cancels the call at any point."""
 
-    def __init__(self, first: pb.GenerateResponse, rest: AsyncIterator[pb.GenerateResponse]) -> None:
-        self._first: pb.GenerateResponse | None = first
+    def __init__(self, first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> None:
+        self._first: GenerateChunk | None = first
         self._rest = rest
 
     def __aiter__(self) -> "OpenStream":
         return self
 
-    async def __anext__(self) -> pb.GenerateResponse:
+    async def __anext__(self) -> GenerateChunk:
         if self._first is not None:
             first, self._first = self._first, None
             return first
@@ -73,7 +73,7 @@ class OpenStream:
         await self._rest.aclose()
 
 
-async def _open(stream: AsyncIterator[pb.GenerateResponse]) -> OpenStream:
+async def _open(stream: AsyncIterator[GenerateChunk]) -> OpenStream:
     """Wait for the stream's first message, so that a rejected request fails here."""
     try:
         first = await anext(stream)
@@ -85,9 +85,9 @@ async def _open(stream: AsyncIterator[pb.GenerateResponse]) -> OpenStream:
     return OpenStream(first, stream)
 
 
-async def open_streams(client: AttentionClient, requests: Sequence[pb.GenerateRequest]) -> list[OpenStream]:
+async def open_streams(client: AttentionClient, calls: Sequence[GenerateParams]) -> list[OpenStream]:
     """Start every Generate call at once; if any is rejected, cancel the others and raise its error."""
-    opened = await asyncio.gather(*(_open(client.generate(r)) for r in requests), return_exceptions=True)
+    opened = await asyncio.gather(*(_open(client.generate(c)) for c in calls), return_exceptions=True)
     errors = [e for e in opened if isinstance(e, BaseException)]
     if errors:
         await asyncio.gather(*(s.aclose() for s in opened if isinstance(s, OpenStream)), return_exceptions=True)
@@ -95,7 +95,7 @@ async def open_streams(client: AttentionClient, requests: Sequence[pb.GenerateRe
     return opened
 
 
-async def merge(streams: Sequence[OpenStream]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+async def merge(streams: Sequence[OpenStream]) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """(index, message) from all streams as they arrive; closing the merge cancels every stream."""
     try:
         if len(streams) == 1:  # the common case needs no tasks
@@ -109,7 +109,7 @@ async def merge(streams: Sequence[OpenStream]) -> AsyncIterator[tuple[int, pb.Ge
         await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
-async def _merge_tasks(streams: Sequence[OpenStream]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+async def _merge_tasks(streams: Sequence[OpenStream]) -> AsyncIterator[tuple[int, GenerateChunk]]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -135,13 +135,13 @@ async def _merge_tasks(streams: Sequence[OpenStream]) -> AsyncIterator[tuple[int
 
 
 async def choice_events(streams: Sequence[OpenStream], states: list[ChoiceState],
-                        timer: RequestTimer) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+                        timer: RequestTimer) -> AsyncIterator[tuple[int, GenerateChunk]]:
     """Every choice's messages as they arrive, recorded in `states` and timed."""
     async with aclosing(merge(streams)) as events:
-        async for i, response in events:
-            timer.on_message(i, len(response.tokens))
-            states[i].add(response)
-            yield i, response
+        async for i, chunk in events:
+            timer.on_message(i, len(chunk.tokens))
+            states[i].add(chunk)
+            yield i, chunk
 
 
 async def drain(events: AsyncIterator) -> None:
@@ -185,7 +185,7 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def token_str(t: pb.TokenOut | pb.TopLogprob) -> str:
+def token_str(t: TokenLogprob | TopLogprob) -> str:
     """The token as OpenAI spells it: its text, or `bytes:\\xNN` when it holds part of a character."""
     try:
         return t.token_bytes.decode()
@@ -193,16 +193,17 @@ def token_str(t: pb.TokenOut | pb.TopLogprob) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in t.token_bytes)
 
 
-def chat_logprobs(tokens: Sequence[pb.TokenOut], top_n: int) -> ChatChoiceLogprobs:
-    def top(t: pb.TokenOut) -> list[TopLogprob]:
-        return [TopLogprob(token=token_str(c), logprob=_logprob(c.logprob), bytes=list(c.token_bytes))
+def chat_logprobs(tokens: Sequence[TokenLogprob], top_n: int) -> ChatChoiceLogprobs:
+    def top(t: TokenLogprob) -> list[ChatCompletionLogProb]:
+        return [ChatCompletionLogProb(token=token_str(c), logprob=_logprob(c.logprob), bytes=list(c.token_bytes))
                 for c in t.top[:top_n]]
     return ChatChoiceLogprobs(content=[
-        TokenLogprob(token=token_str(t), logprob=_logprob(t.logprob), bytes=list(t.token_bytes), top_logprobs=top(t))
+        ChatCompletionLogProbsContent(token=token_str(t), logprob=_logprob(t.logprob), bytes=list(t.token_bytes),
+                                      top_logprobs=top(t))
         for t in tokens])
 
 
-def completion_logprobs(tokens: Sequence[pb.TokenOut], top_n: int, text_offset: int,
+def completion_logprobs(tokens: Sequence[TokenLogprob], top_n: int, text_offset: int,
                         first_unscored: bool = False) -> CompletionLogprobs:
     """The legacy format. `first_unscored`: tokens[0] opens a prompt, so nothing predicts it."""
     out = CompletionLogprobs()
@@ -228,7 +229,7 @@ def join_logprobs(a: CompletionLogprobs | None, b: CompletionLogprobs) -> Comple
                               tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
-def text_length(tokens: Sequence[pb.TokenOut]) -> int:
+def text_length(tokens: Sequence[TokenLogprob]) -> int:
     return sum(len(t.token) for t in tokens)
 
 
@@ -240,10 +241,10 @@ class ServedModel:
     def __init__(self, client: AttentionClient, served_name: str | None) -> None:
         self._client = client
         self._served_name = served_name
-        self._ready_info: pb.ModelInfoResponse | None = None
+        self._ready_info: ModelInfo | None = None
         self.created = int(time.time())
 
-    async def info(self) -> pb.ModelInfoResponse:
+    async def info(self) -> ModelInfo:
         if self._ready_info is not None:
             return self._ready_info
         info = await self._client.model_info()
@@ -297,7 +298,7 @@ class ChatHandler(Handler):
             return model
         timer = self.metrics.request_timer()
         try:
-            streams = await open_streams(self.client, request.to_generate_requests(request_id))
+            streams = await open_streams(self.client, request.to_generate_params(request_id))
             states = [ChoiceState() for _ in streams]
             if request.stream:
                 chunks = self._chunks(request, request_id, model, choice_events(streams, states, timer), states, timer)
@@ -327,8 +328,8 @@ class ChatHandler(Handler):
         async with aclosing(events):  # closed however the stream ends: this cancels the calls
             for i in range(len(states)):  # the first delta of each choice carries the role
                 yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            async for i, response in events:
-                for choice in self._stream_choices(request, i, response):
+            async for i, message in events:
+                for choice in self._stream_choices(request, i, message):
                     yield chunk([choice])
         usage = total_usage(states, request.n)
         finish(timer, usage, states)
@@ -337,16 +338,16 @@ class ChatHandler(Handler):
 
     @staticmethod
     def _stream_choices(request: ChatCompletionRequest, i: int,
-                        response: pb.GenerateResponse) -> list[ChatCompletionStreamChoice]:
+                        message: GenerateChunk) -> list[ChatCompletionStreamChoice]:
         """A content delta (when there is new text or logprobs), then the finish as its own delta."""
         choices = []
-        logprobs = chat_logprobs(response.tokens, request.top_logprobs or 0) if request.logprobs else None
-        if response.text or (logprobs is not None and logprobs.content):
-            choices.append(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=response.text),
+        logprobs = chat_logprobs(message.tokens, request.top_logprobs or 0) if request.logprobs else None
+        if message.text or (logprobs is not None and logprobs.content):
+            choices.append(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=message.text),
                                                       logprobs=logprobs))
-        if response.finish_reason:
+        if message.finish_reason:
             choices.append(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
-                                                      finish_reason=response.finish_reason))
+                                                      finish_reason=message.finish_reason))
         return choices
 
 
@@ -377,7 +378,7 @@ class CompletionHandler(Handler):
                 for i, state in enumerate(states):
                     state.finish_reason, state.prompt_tokens = "length", echoes[i // request.n].prompt_tokens
             else:
-                streams = await open_streams(self.client, request.to_generate_requests(request_id))
+                streams = await open_streams(self.client, request.to_generate_params(request_id))
             events = choice_events(streams, states, timer)
             if request.stream:
                 chunks = self._chunks(request, request_id, model, events, states, echoes, timer)
@@ -394,16 +395,16 @@ class CompletionHandler(Handler):
         prompts = request.prompts()
         if not request.needs_prompt_scores:
             return [PromptEcho(p, None, 0) for p in prompts] if request.echo else None
-        scores = await asyncio.gather(*(self.client.score(r) for r in request.to_score_requests(request_id)))
+        scores = await asyncio.gather(*(self.client.score(s) for s in request.to_score_params(request_id)))
         return [self._echo(request, p, s) for p, s in zip(prompts, scores)]
 
     @staticmethod
-    def _echo(request: CompletionRequest, prompt: str | list[int], score: pb.ScoreResponse) -> PromptEcho:
+    def _echo(request: CompletionRequest, prompt: str | list[int], score: ScoreResult) -> PromptEcho:
         text = prompt if isinstance(prompt, str) else score.text
         logprobs = None
         if request.echo and request.logprobs is not None:
             logprobs = completion_logprobs(score.tokens, request.logprobs, 0, first_unscored=True)
-        return PromptEcho(text, logprobs, score.usage.prompt_tokens)
+        return PromptEcho(text, logprobs, score.prompt_tokens)
 
     def _response(self, request: CompletionRequest, request_id: str, model: str, states: list[ChoiceState],
                   echoes: list[PromptEcho] | None, usage: UsageInfo) -> CompletionResponse:
@@ -436,13 +437,13 @@ class CompletionHandler(Handler):
                     yield chunk([CompletionChoice(index=i, text=echo.text if echo else "",
                                                   logprobs=echo.logprobs if echo else None,
                                                   finish_reason=state.finish_reason)])  # set when max_tokens is 0
-            async for i, response in events:
+            async for i, message in events:
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = completion_logprobs(response.tokens, request.logprobs, offsets[i])
-                    offsets[i] += text_length(response.tokens)
-                yield chunk([CompletionChoice(index=i, text=response.text, logprobs=logprobs,
-                                              finish_reason=response.finish_reason or None)])
+                    logprobs = completion_logprobs(message.tokens, request.logprobs, offsets[i])
+                    offsets[i] += text_length(message.tokens)
+                yield chunk([CompletionChoice(index=i, text=message.text, logprobs=logprobs,
+                                              finish_reason=message.finish_reason)])
         usage = total_usage(states, request.n)
         finish(timer, usage, states)
         if request.include_usage:
@@ -462,7 +463,7 @@ class OpsHandler(Handler):
             stats = await self.client.stats()
         except AttentionError as e:
             return error_response(503, f"attention service unavailable: {e.message}", code="unavailable")
-        down = [hop.expert_address for hop in stats.hops if not hop.healthy]
+        down = [hop.address for hop in stats.hops if not hop.healthy]
         if down:
             return error_response(503, f"expert service unhealthy: {', '.join(down)}", code="expert_unhealthy")
         return {"status": "ok"}

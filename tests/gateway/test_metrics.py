@@ -1,8 +1,8 @@
 """Gateway-measured latencies and the attention service's GetStats as Prometheus text."""
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.attention_types import AttentionStats, ExpertTokens, HopStats
 from gateway.metrics import GatewayMetrics
-from proto import attention_pb2 as pb
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple], float]:
@@ -34,10 +34,10 @@ def test_timer_observes_ttft_itl_and_e2e_with_vllm_names():
 
 
 def test_stats_become_gauges_and_counters_at_scrape():
-    stats = pb.AttentionStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, max_batch_seqs_seen=7, num_steps=9,
-                              hops=[pb.HopStats(expert_address="10.0.0.1:9000", num_hops=48, hop_s_total=0.5,
-                                                compute_s_total=0.3, bytes_total=4096, healthy=False)],
-                              expert_tokens=[pb.ExpertTokenCount(layer=1, expert=5, tokens=12)])
+    stats = AttentionStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, max_batch_seqs_seen=7, num_steps=9,
+                           hops=(HopStats(address="10.0.0.1:9000", num_hops=48, hop_s_total=0.5, compute_s_total=0.3,
+                                          bytes_total=4096, healthy=False),),
+                           expert_tokens=(ExpertTokens(layer=1, expert=5, tokens=12),))
     s = samples(GatewayMetrics().render(stats))
     assert s[("splitmoe:num_requests_running", ())] == 3
     assert s[("splitmoe:num_requests_waiting", ())] == 2

@@ -1,9 +1,10 @@
-"""Request validation (OpenAI's ranges and types) and conversion to the attention service's requests."""
+"""Request validation (OpenAI's ranges and types) and conversion to the attention service's call parameters."""
 import logging
 
 import pytest
 from pydantic import ValidationError
 
+from gateway.attention_types import ChatPrompt, ChatTurn
 from gateway.openai_types import (
     INT64_MAX, ChatCompletionRequest, CompletionRequest, error_response, validation_error,
 )
@@ -25,53 +26,51 @@ def error_of(model, body: str):
     return validation_error(e.value)
 
 
-def test_chat_converts_to_one_generate_request_with_openai_defaults():
-    [req] = chat().to_generate_requests("chatcmpl-1")
+def test_chat_converts_to_one_generate_call_with_openai_defaults():
+    [req] = chat().to_generate_params("chatcmpl-1")
     assert req.request_id == "chatcmpl-1"
-    assert req.WhichOneof("prompt") == "chat"
-    assert [(m.role, m.content) for m in req.chat.messages] == [("user", "hi")]
-    assert req.chat.add_generation_prompt
+    assert req.prompt == ChatPrompt(messages=(ChatTurn("user", "hi"),), add_generation_prompt=True)
     s = req.sampling
     assert s.max_tokens == 0  # 0: until EOS, a stop or the end of the context
     assert s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0 and s.min_p == 0.0
-    assert not s.HasField("seed") and not s.logprobs and s.top_logprobs == 0 and list(s.stop) == []
+    assert s.seed is None and not s.logprobs and s.top_logprobs == 0 and s.stop == ()
 
 
 def test_chat_sampling_parameters_reach_the_request():
     body = ('"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 11,'
             '"stop": "END", "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": true,'
             '"top_logprobs": 3, "ignore_eos": true, "num_experts_per_token": 4')
-    s = chat(body).to_generate_requests("r")[0].sampling
-    assert (s.max_tokens, s.top_k, s.seed, list(s.stop), s.top_logprobs) == (7, 40, 11, ["END"], 3)
+    s = chat(body).to_generate_params("r")[0].sampling
+    assert (s.max_tokens, s.top_k, s.seed, s.stop, s.top_logprobs) == (7, 40, 11, ("END",), 3)
     assert s.temperature == 0.5 and s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.05)
     assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.5
     assert s.logprobs and s.ignore_eos and s.num_experts_per_token == 4
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
-    assert chat('"max_tokens": 5, "max_completion_tokens": 9').to_generate_requests("r")[0].sampling.max_tokens == 9
+    assert chat('"max_tokens": 5, "max_completion_tokens": 9').to_generate_params("r")[0].sampling.max_tokens == 9
 
 
 def test_top_p_zero_means_greedy_not_the_protos_default():
-    s = chat('"top_p": 0').to_generate_requests("r")[0].sampling
+    s = chat('"top_p": 0').to_generate_params("r")[0].sampling
     assert (s.temperature, s.top_p) == (0.0, 1.0)
 
 
 def test_top_k_minus_one_is_off_and_empty_stops_are_dropped():
-    s = chat('"top_k": -1, "stop": ["", "a", "b"]').to_generate_requests("r")[0].sampling
-    assert s.top_k == 0 and list(s.stop) == ["a", "b"]
+    s = chat('"top_k": -1, "stop": ["", "a", "b"]').to_generate_params("r")[0].sampling
+    assert s.top_k == 0 and s.stop == ("a", "b")
 
 
 def test_n_fans_out_with_offset_seeds_and_distinct_ids():
-    reqs = chat('"n": 3, "seed": 100').to_generate_requests("chatcmpl-x")
+    reqs = chat('"n": 3, "seed": 100').to_generate_params("chatcmpl-x")
     assert [r.request_id for r in reqs] == ["chatcmpl-x-0", "chatcmpl-x-1", "chatcmpl-x-2"]
     assert [r.sampling.seed for r in reqs] == [100, 101, 102]
-    unseeded = chat('"n": 2').to_generate_requests("r")
-    assert not any(r.sampling.HasField("seed") for r in unseeded)
+    unseeded = chat('"n": 2').to_generate_params("r")
+    assert all(r.sampling.seed is None for r in unseeded)
 
 
 def test_seed_offset_wraps_within_int64():
-    reqs = chat(f'"n": 2, "seed": {INT64_MAX}').to_generate_requests("r")
+    reqs = chat(f'"n": 2, "seed": {INT64_MAX}').to_generate_params("r")
     assert [r.sampling.seed for r in reqs] == [INT64_MAX, -INT64_MAX - 1]
 
 
@@ -79,10 +78,9 @@ def test_message_content_parts_and_developer_role():
     body = ('{"messages": [{"role": "developer", "content": "be brief"},'
             '{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},'
             '{"role": "assistant", "content": null}], "add_generation_prompt": false}')
-    [req] = ChatCompletionRequest.model_validate_json(body).to_generate_requests("r")
-    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "a\nb"),
-                                                                ("assistant", "")]
-    assert not req.chat.add_generation_prompt
+    [req] = ChatCompletionRequest.model_validate_json(body).to_generate_params("r")
+    assert req.prompt.messages == (ChatTurn("system", "be brief"), ChatTurn("user", "a\nb"), ChatTurn("assistant", ""))
+    assert not req.prompt.add_generation_prompt
 
 
 @pytest.mark.parametrize("body, param", [
@@ -157,18 +155,18 @@ def test_completion_prompt_forms(prompt, expected):
 
 def test_completion_requests_are_prompt_major_with_seeds_per_choice():
     req = completion('{"prompt": [[1, 2], [3]], "n": 2, "seed": 5, "max_tokens": 4, "logprobs": 2}')
-    gens = req.to_generate_requests("cmpl-1")
-    assert [list(g.token_ids.ids) for g in gens] == [[1, 2], [1, 2], [3], [3]]
+    gens = req.to_generate_params("cmpl-1")
+    assert [g.prompt for g in gens] == [(1, 2), (1, 2), (3,), (3,)]
     assert [g.sampling.seed for g in gens] == [5, 6, 5, 6]
     assert len({g.request_id for g in gens}) == 4
     assert all(g.sampling.max_tokens == 4 and g.sampling.logprobs and g.sampling.top_logprobs == 2 for g in gens)
-    scores = req.to_score_requests("cmpl-1")
-    assert [list(s.token_ids.ids) for s in scores] == [[1, 2], [3]] and scores[0].top_logprobs == 2
+    scores = req.to_score_params("cmpl-1")
+    assert [s.prompt for s in scores] == [(1, 2), (3,)] and scores[0].top_logprobs == 2
 
 
 def test_completion_text_prompt_and_defaults():
-    [gen] = completion('{"prompt": "once"}').to_generate_requests("c")
-    assert gen.text == "once" and gen.sampling.max_tokens == 16 and not gen.sampling.logprobs
+    [gen] = completion('{"prompt": "once"}').to_generate_params("c")
+    assert gen.prompt == "once" and gen.sampling.max_tokens == 16 and not gen.sampling.logprobs
 
 
 @pytest.mark.parametrize("body, scores", [

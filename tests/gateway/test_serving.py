@@ -7,6 +7,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
 
 from gateway.attention_client import AttentionError
+from gateway.attention_types import GenerateChunk, GenerateParams, SamplingParams, TokenLogprob, TopLogprob, Usage
 from gateway.openai_types import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionStreamChoice, DeltaMessage, UsageInfo,
 )
@@ -14,12 +15,11 @@ from gateway.serving import (
     SSE_DONE, ChatHandler, ChoiceState, OpenStream, completion_logprobs, chat_logprobs, merge, open_streams,
     sse_line, sse_stream, total_usage,
 )
-from proto import attention_pb2 as pb
 
 
 def token(text, logprob=-1.0, top=()):
-    return pb.TokenOut(token=text, token_bytes=text.encode(), logprob=logprob,
-                       top=[pb.TopLogprob(token=t, token_bytes=t.encode(), logprob=lp) for t, lp in top])
+    return TokenLogprob(token=text, token_bytes=text.encode(), logprob=logprob,
+                        top=tuple(TopLogprob(token=t, token_bytes=t.encode(), logprob=lp) for t, lp in top))
 
 
 class FakeCall:
@@ -40,10 +40,11 @@ class FakeCall:
             self.closed = True
 
 
-def responses(*texts, finish="length"):
-    out = [pb.GenerateResponse(text=t) for t in texts]
-    out[-1].finish_reason = finish
-    out[-1].usage.prompt_tokens, out[-1].usage.completion_tokens = 4, len(texts)
+def responses(*texts, finish="length", tokens=()):
+    """A Generate stream's chunks; the first carries `tokens`, the last the finish and usage."""
+    out = [GenerateChunk(text=t) for t in texts]
+    out[0] = GenerateChunk(text=texts[0], tokens=tuple(tokens))
+    out[-1] = GenerateChunk(text=texts[-1], tokens=out[-1].tokens, finish_reason=finish, usage=Usage(4, len(texts)))
     return out
 
 
@@ -159,9 +160,8 @@ def test_chat_stream_mid_stream_failure_sends_an_error_then_done():
 def test_chat_full_response_validates_as_openai():
     request = ChatCompletionRequest.model_validate_json(
         '{"messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": true, "top_logprobs": 1}')
-    calls = [FakeCall(responses("a", "b")), FakeCall(responses("c", finish="stop"))]
-    for call in calls:
-        call.messages[0].tokens.append(token("a", -0.5, [("a", -0.5)]))
+    a = token("a", -0.5, [("a", -0.5)])
+    calls = [FakeCall(responses("a", "b", tokens=[a])), FakeCall(responses("c", finish="stop", tokens=[a]))]
 
     async def run():
         return await ChatHandler(FakeClient(calls), _Model(), _metrics()).create(request, "chatcmpl-1")
@@ -234,6 +234,6 @@ def test_open_streams_cancels_the_others_when_one_is_rejected():
 
     async def run():
         with pytest.raises(AttentionError, match="expert services down"):
-            await open_streams(FakeClient(calls), [pb.GenerateRequest(), pb.GenerateRequest()])
+            await open_streams(FakeClient(calls), [GenerateParams("r-0", "x", SamplingParams(1))] * 2)
     asyncio.run(run())
     assert all(c.closed for c in calls)

@@ -1,0 +1,138 @@
+"""What the gateway sends to and gets from the attention service, as our own frozen dataclasses.
+
+openai_types.py builds the requests, serving.py reads the answers; only attention_client.py turns
+them into protobuf messages and back, so a change of wire format touches that one file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ------------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """OpenAI's defaults made explicit; the attention service reads no field as "unset"."""
+    max_tokens: int                     # 0: until EOS, a stop string or a full context
+    temperature: float = 1.0            # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0               # with `logprobs`: also this many most likely candidates
+    ignore_eos: bool = False
+    num_experts_per_token: int = 0      # 0: the model's own
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Messages the attention service renders with the model's own chat template."""
+    messages: tuple[ChatTurn, ...]
+    add_generation_prompt: bool = True
+
+
+TokenIds = tuple[int, ...]
+Prompt = str | TokenIds | ChatPrompt    # text to tokenize, token ids used as given, or a chat
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    """One Generate call: one choice of one prompt."""
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreParams:
+    """One Score call: the prompt's own logprobs, its decoded text and its length."""
+    request_id: str
+    prompt: str | TokenIds
+    top_logprobs: int = 0
+
+
+# -------------------------------------------------------------------------------------- answers
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str           # the token decoded alone (U+FFFD where it holds part of a character)
+    token_bytes: bytes   # exact: OpenAI's `bytes`, and the `bytes:\xNN` spelling of partial characters
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled (or prompt) token with its logprob and the most likely candidates at its position."""
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """One message of a Generate stream."""
+    text: str                                 # new text since the last chunk (stop strings held back)
+    tokens: tuple[TokenLogprob, ...] = ()     # the tokens behind it, when logprobs were asked for
+    finish_reason: str | None = None          # "stop" or "length" on the last chunk
+    usage: Usage | None = None                # on the last chunk only
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    tokens: tuple[TokenLogprob, ...]          # the first has no logprob: nothing precedes it
+    prompt_tokens: int
+    text: str                                 # the prompt decoded as a whole (echoed token ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    ready: bool
+    model_id: str = ""                        # empty until ready
+    context_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HopStats:
+    """The attention service's exchanges with one expert service, summed since it started."""
+    address: str
+    healthy: bool
+    num_hops: int = 0
+    hop_s_total: float = 0.0
+    compute_s_total: float = 0.0
+    bytes_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertTokens:
+    layer: int
+    expert: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0               # 0..1
+    num_steps: int = 0
+    max_batch_tokens_seen: int = 0
+    max_batch_seqs_seen: int = 0
+    hops: tuple[HopStats, ...] = ()
+    expert_tokens: tuple[ExpertTokens, ...] = ()
