@@ -284,7 +284,11 @@ class ExpertServiceClient:
 
     def _new_connection(self) -> _Connection:
         options = [("grpc.max_send_message_length", self.settings.max_message_bytes),
-                   ("grpc.max_receive_message_length", self.settings.max_message_bytes)]
+                   ("grpc.max_receive_message_length", self.settings.max_message_bytes),
+                   # gRPC's default backoff grows to 120 s: a restarted expert service must be
+                   # found again within a second or two, not minutes later.
+                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
         channel = grpc.insecure_channel(self.address, options=options)
         return _Connection(channel, expert_pb2_grpc.ExpertServiceStub(channel))
 

@@ -111,7 +111,7 @@ class AttentionClient:
 
 def generate_request(params: GenerateParams) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=params.request_id, sampling=sampling_message(params.sampling),
-                              **_prompt_field(params.prompt))
+                              reasoning_inline=params.reasoning_inline, **_prompt_field(params.prompt))
 
 
 def score_request(params: ScoreParams) -> pb.ScoreRequest:
@@ -141,7 +141,7 @@ def chunk_of(response: pb.GenerateResponse) -> GenerateChunk:
     usage = None
     if response.HasField("usage"):
         usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
-    return GenerateChunk(text=response.text, tokens=_tokens_of(response.tokens),
+    return GenerateChunk(text=response.text, reasoning_text=response.reasoning_text, tokens=_tokens_of(response.tokens),
                          finish_reason=response.finish_reason or None, usage=usage)
 
 

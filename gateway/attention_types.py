@@ -51,6 +51,7 @@ class GenerateParams:
     request_id: str
     prompt: Prompt
     sampling: SamplingParams
+    reasoning_inline: bool = False  # chat only: the model's reasoning as plain content
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class Usage:
 class GenerateChunk:
     """One message of a Generate stream."""
     text: str                                 # new text since the last chunk (stop strings held back)
+    reasoning_text: str = ""                  # new reasoning (chat), apart from the answer
     tokens: tuple[TokenLogprob, ...] = ()     # the tokens behind it, when logprobs were asked for
     finish_reason: str | None = None          # "stop" or "length" on the last chunk
     usage: Usage | None = None                # on the last chunk only

@@ -185,6 +185,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # top_p, user: SamplingRequest
     add_generation_prompt: bool = True  # vLLM's extension: False continues the last message
+    # llama-server's per-request switch: "none" returns the reasoning inline in `content`
+    reasoning_format: Literal["auto", "none"] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -202,7 +204,8 @@ class ChatCompletionRequest(SamplingRequest):
         params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         chat = ChatPrompt(messages=tuple(m.to_turn() for m in self.messages),
                           add_generation_prompt=self.add_generation_prompt)
-        return [GenerateParams(request_id=rid, prompt=chat, sampling=self.seeded(params, i))
+        inline = self.reasoning_format == "none"
+        return [GenerateParams(request_id=rid, prompt=chat, sampling=self.seeded(params, i), reasoning_inline=inline)
                 for i, rid in enumerate(fan_out(request_id, self.n))]
 
 
@@ -300,6 +303,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # as vLLM and llama-server return it
     refusal: str | None = None
 
 
@@ -323,6 +327,7 @@ class DeltaMessage(BaseModel):
     """A stream delta: only the fields that changed (the first carries the role)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

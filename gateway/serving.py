@@ -38,6 +38,7 @@ MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps to the same value
 class ChoiceState:
     """What one choice (one Generate call) has produced so far."""
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     tokens: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -45,6 +46,7 @@ class ChoiceState:
 
     def add(self, chunk: GenerateChunk) -> None:
         self.text.append(chunk.text)
+        self.reasoning.append(chunk.reasoning_text)
         self.tokens.extend(chunk.tokens)
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
@@ -313,7 +315,8 @@ class ChatHandler(Handler):
     def _response(self, request: ChatCompletionRequest, request_id: str, model: str,
                   states: list[ChoiceState], usage: UsageInfo) -> ChatCompletionResponse:
         choices = [ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content="".join(s.text)), finish_reason=s.finish_reason,
+            index=i, finish_reason=s.finish_reason,
+            message=ChatResponseMessage(content="".join(s.text), reasoning_content="".join(s.reasoning) or None),
             logprobs=chat_logprobs(s.tokens, request.top_logprobs or 0) if request.logprobs else None)
             for i, s in enumerate(states)]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
@@ -342,9 +345,10 @@ class ChatHandler(Handler):
         """A content delta (when there is new text or logprobs), then the finish as its own delta."""
         choices = []
         logprobs = chat_logprobs(message.tokens, request.top_logprobs or 0) if request.logprobs else None
-        if message.text or (logprobs is not None and logprobs.content):
-            choices.append(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=message.text),
-                                                      logprobs=logprobs))
+        if message.text or message.reasoning_text or (logprobs is not None and logprobs.content):
+            delta = DeltaMessage(content=message.text if message.text or not message.reasoning_text else None,
+                                 reasoning_content=message.reasoning_text or None)
+            choices.append(ChatCompletionStreamChoice(index=i, delta=delta, logprobs=logprobs))
         if message.finish_reason:
             choices.append(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
                                                       finish_reason=message.finish_reason))

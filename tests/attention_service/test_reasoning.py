@@ -3,7 +3,6 @@ through the request, the engine, the settings and a real `serve-attention` proce
 import queue
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
@@ -20,8 +19,8 @@ from modelfile.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
 from proto import attention_pb2 as pb
 from proto import attention_pb2_grpc
 from splitmoe.cli import build_parser
-from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab, write_demo_model
-from tests.support.gguf_edit import rewrite_gguf
+from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab
+from tests.support.harmony_model import write_harmony_demo_model
 from tests.support.processes import free_port, grpc_service
 
 THINK_TAGS = ("<think>", "</think>")
@@ -289,27 +288,7 @@ def test_the_switch_is_parsed_at_the_edge():
 
 @pytest.fixture(scope="module")
 def harmony_gguf(tmp_path_factory):
-    """The demo model with gpt-oss's markers added as control tokens, and a harmony-style template
-    whose generation prompt opens the analysis channel. The new tokens' embedding and output rows
-    are zero, so the random model never picks them: all it writes lands in the analysis channel."""
-    folder = tmp_path_factory.mktemp("harmony")
-    write_demo_model(folder / "demo.gguf")
-    tokens = byte_level_vocab() + [a + b for a, b in MERGES] + list(SPECIAL_TOKENS) + list(HARMONY_MARKERS)
-    types = [NORMAL] * (len(tokens) - len(SPECIAL_TOKENS) - len(HARMONY_MARKERS)) + [CONTROL] * (
-        len(SPECIAL_TOKENS) + len(HARMONY_MARKERS))
-    template = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|start|>assistant<|channel|>analysis<|message|>{% endif %}")
-    keys = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.chat_template": template, "qwen3moe.vocab_size": len(tokens)}
-
-    def add_rows(name, data, qtype):
-        if name in ("token_embd.weight", "output.weight"):
-            data = np.concatenate([data, np.zeros((len(HARMONY_MARKERS), data.shape[1]), data.dtype)])
-        return data, qtype
-
-    rewrite_gguf(folder / "demo.gguf", folder / "harmony.gguf", drop_keys=tuple(keys), set_keys=keys,
-                 edit_tensor=add_rows)
-    return folder / "harmony.gguf"
+    return write_harmony_demo_model(tmp_path_factory.mktemp("harmony"))
 
 
 def test_reasoning_format_none_returns_the_reasoning_inline(harmony_gguf, harmony):
