@@ -25,6 +25,7 @@ COPY attention_service/ attention_service/
 COPY expert_service/ expert_service/
 COPY gateway/ gateway/
 COPY proto/ proto/
+COPY bench/ bench/
 RUN pip install . && rm -rf /opt/splitmoe/src
 
 # The demo model, written once at build time so that every container of the stack opens the very

@@ -1,0 +1,1 @@
+"""Benchmark tooling: synthetic models of real shapes, made without llama.cpp."""
