@@ -1,0 +1,140 @@
+"""Native quantized-matmul kernels against the pure-torch path (dequantize, then matmul).
+
+    python -m bench.kernels_bench                    # the default table, well under 30 s
+    python -m bench.kernels_bench --threads 1 --m 1 8 --formats Q4_K Q6_K
+
+GB/s counts the quantized weight bytes read per second: the number that matters for decode,
+where each token must stream every active weight once. Each timing cycles through enough
+distinct matrices (--mb, default 64 MB, above the L3 of common servers) that the weights come
+from memory, not cache, as they would in a real model. The torch column is kernels.quants'
+dequantize plus a float32 matmul on the same matrices. MoE rows time one whole layer
+(MoELayer.forward) of Qwen3-30B-A3B's shape: D=2048, ffn=768, top-8, Q4_K gate/up and Q6_K down,
+against kernels.moe.moe_forward.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from kernels import native
+from kernels.moe import ExpertFFN, moe_forward
+from kernels.quants import QuantTensor, dequantize
+
+FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+               T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: ()}
+
+
+def random_matrix(qtype: T, n: int, k: int, rng: np.random.Generator, name: str = "w") -> QuantTensor:
+    """Random valid blocks: random quants, small positive fp16 scales (values never inf/nan)."""
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    nb = n * k // elems
+    blocks = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    for off in FP16_FIELDS[qtype]:
+        blocks[:, off:off + 2] = rng.uniform(1e-3, 2e-3, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    if qtype == T.MXFP4:
+        blocks[:, 0] = 118
+    data = blocks.reshape(n, k // elems * nbytes)
+    data.flags.writeable = False
+    return QuantTensor(name, int(qtype), (n, k), data)
+
+
+def timed(fn, min_time: float, min_calls: int = 2) -> float:
+    """Seconds per call: the best of a few passes, each at least min_time / 3 long."""
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(3):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_time / 3 and calls >= min_calls:
+                break
+        best = min(best, dt / calls)
+    return best
+
+
+def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_baseline: bool, rows: list) -> None:
+    rng = np.random.default_rng(int(qtype))
+    one = random_matrix(qtype, n, k, rng)
+    count = max(2, int(mb * 2**20 // one.num_bytes))
+    mats = [one] + [random_matrix(qtype, n, k, rng) for _ in range(count - 1)]
+    nbytes = one.num_bytes
+    torch_s = None
+    if torch_baseline:  # dequantize dominates; m barely matters, so time it once (m=1)
+        x1 = torch.randn(1, k)
+        it = iter(range(10**9))
+        torch_s = timed(lambda: x1 @ dequantize(mats[next(it) % count]).T, 0.3, 2)
+    for m in ms:
+        x = torch.randn(m, k)
+        out = torch.empty(m, n)
+
+        def run():
+            for w in mats:
+                native.matmul(x, w, out)
+
+        s = timed(run, 0.5) / count
+        rows.append((qtype.name, f"{n}x{k}", m, s * 1e6, nbytes / s / 1e9,
+                     None if torch_s is None else torch_s * 1e6, None if torch_s is None else nbytes / torch_s / 1e9))
+
+
+def bench_moe(tokens: list[int], hosted: int, torch_baseline: bool, rows: list) -> None:
+    D, F, K = 2048, 768, 8
+    rng = np.random.default_rng(0)
+    experts = {e: ExpertFFN(random_matrix(T.Q4_K, F, D, rng, f"gate{e}"), random_matrix(T.Q4_K, F, D, rng, f"up{e}"),
+                            random_matrix(T.Q6_K, D, F, rng, f"down{e}")) for e in range(hosted)}
+    layer = native.MoELayer(experts, hosted)
+    gen = torch.Generator().manual_seed(0)
+    for t in tokens:
+        x = torch.randn(t, D, generator=gen)
+        ids = torch.stack([torch.randperm(hosted, generator=gen)[:K] for _ in range(t)])
+        w = torch.softmax(torch.randn(t, K, generator=gen), -1)
+        active = set(ids.flatten().tolist())
+        nbytes = sum(experts[e].num_bytes for e in active)
+        s = timed(lambda: layer.forward(x, ids, w), 0.5)
+        ts = None
+        if torch_baseline and t == 1:  # seconds per call: time one
+            t0 = time.perf_counter()
+            moe_forward(x, ids, w, experts)
+            ts = time.perf_counter() - t0
+        rows.append((f"MoE layer ({len(active)} experts)", f"D{D} ffn{F}", t, s * 1e6, nbytes / s / 1e9,
+                     None if ts is None else ts * 1e6, None if ts is None else nbytes / ts / 1e9))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.kernels_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4"])
+    p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows (tokens)")
+    p.add_argument("--n", type=int, default=768, help="weight rows per matrix")
+    p.add_argument("--k", type=int, default=2048, help="weight columns")
+    p.add_argument("--mb", type=float, default=64, help="MB of distinct weights cycled through per timing")
+    p.add_argument("--threads", type=int, default=None, help="native threads (default: torch's)")
+    p.add_argument("--moe-tokens", nargs="*", type=int, default=[1, 16], help="MoE layer rows; none to skip")
+    p.add_argument("--moe-experts", type=int, default=32, help="experts hosted in the MoE layer")
+    p.add_argument("--no-torch", action="store_true", help="skip the pure-torch baseline")
+    a = p.parse_args(argv)
+    if not native.AVAILABLE:
+        raise SystemExit(f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
+    if a.threads:
+        native.set_num_threads(a.threads)
+        torch.set_num_threads(a.threads)
+    print(f"native ISA {native.isa()}, {native.get_num_threads()} native threads, torch {torch.get_num_threads()} "
+          f"threads; weights cycled: {a.mb:g} MB per timing")
+    rows: list = []
+    for f in a.formats:
+        bench_matmul(T[f], a.m, a.n, a.k, a.mb, not a.no_torch, rows)
+    if a.moe_tokens:
+        bench_moe(a.moe_tokens, a.moe_experts, not a.no_torch, rows)
+    head = ("format", "shape", "m", "native us", "native GB/s", "torch us", "torch GB/s", "speedup")
+    print(f"{head[0]:<24}{head[1]:>12}{head[2]:>5}{head[3]:>12}{head[4]:>13}{head[5]:>12}{head[6]:>12}{head[7]:>9}")
+    for name, shape, m, us, gbs, tus, tgbs in rows:
+        tcols = f"{tus:>12.0f}{tgbs:>12.2f}{tus / us:>8.1f}x" if tus else f"{'-':>12}{'-':>12}{'-':>9}"
+        print(f"{name:<24}{shape:>12}{m:>5}{us:>12.1f}{gbs:>13.2f}{tcols}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+// Dequantization of every GGML format kernels.quants supports, bit-identical to it in float32:
+// the same float operations in the same order (the build uses -ffp-contract=off, so no fused
+// multiply-add changes a rounding). Rows are shared out across the thread pool.
+#include <algorithm>
+#include <atomic>
+
+#include "smk.h"
+
+namespace smk {
+namespace {
+
+// Each writes one block's values to y.
+void dq_q8_0(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int l = 0; l < 32; ++l) y[l] = d * float(int8_t(b[2 + l]));
+}
+void dq_q4_0(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = float((b[2 + l] & 15) - 8) * d;
+        y[l + 16] = float((b[2 + l] >> 4) - 8) * d;
+    }
+}
+void dq_q4_1(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b), m = ld_fp16(b + 2);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = float(b[4 + l] & 15) * d + m;
+        y[l + 16] = float(b[4 + l] >> 4) * d + m;
+    }
+}
+void dq_q5_0(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    const uint32_t qh = ld_u32(b + 2);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = float(int((b[6 + l] & 15) | ((qh >> l) & 1) << 4) - 16) * d;
+        y[l + 16] = float(int((b[6 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) - 16) * d;
+    }
+}
+void dq_q5_1(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b), m = ld_fp16(b + 2);
+    const uint32_t qh = ld_u32(b + 4);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = float((b[8 + l] & 15) | ((qh >> l) & 1) << 4) * d + m;
+        y[l + 16] = float((b[8 + l] >> 4) | ((qh >> (l + 16)) & 1) << 4) * d + m;
+    }
+}
+void dq_mxfp4(const uint8_t* b, float* y) {
+    const float s = e8m0_half(b[0]);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = float(kMxfp4[b[1 + l] & 15]) * s;
+        y[l + 16] = float(kMxfp4[b[1 + l] >> 4]) * s;
+    }
+}
+void dq_q2_k(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b + 80), dmin = ld_fp16(b + 82);
+    for (int i = 0; i < 256; ++i) {
+        const int h = i / 128, s = (i / 32) % 4, l = i % 32;
+        const int q = (b[16 + h * 32 + l] >> (2 * s)) & 3;
+        const uint8_t sc = b[i / 16];
+        const float dl = d * float(sc & 15), ml = dmin * float(sc >> 4);
+        y[i] = dl * float(q) - ml;
+    }
+}
+void dq_q3_k(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b + 108);
+    const uint8_t* s = b + 96;
+    float dl[16];
+    for (int i = 0; i < 16; ++i) {
+        const int low = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
+        const int high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+        dl[i] = d * float((low | high << 4) - 32);
+    }
+    for (int i = 0; i < 256; ++i) {
+        const int h = i / 128, sh = (i / 32) % 4, l = i % 32;
+        const int low = (b[32 + h * 32 + l] >> (2 * sh)) & 3;
+        const int hbit = (b[l] >> (i / 32)) & 1;
+        y[i] = dl[i / 16] * float((low | hbit << 2) - 4);
+    }
+}
+template <bool Q5>
+void dq_q45_k(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b), dmin = ld_fp16(b + 2);
+    uint8_t sc[8], mn[8];
+    k4_scales(b + 4, sc, mn);
+    const uint8_t* qs = b + (Q5 ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+        const float dj = d * float(sc[j]), mj = dmin * float(mn[j]);
+        const uint8_t* q = qs + 32 * (j / 2);
+        for (int l = 0; l < 32; ++l) {
+            int u = (j & 1) ? q[l] >> 4 : q[l] & 15;
+            if (Q5) u |= ((b[16 + l] >> j) & 1) << 4;
+            y[32 * j + l] = dj * float(u) - mj;
+        }
+    }
+}
+void dq_q6_k(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; ++h)
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint8_t* ql = b + 64 * h + 32 * (kk % 2);
+            const uint8_t* qh = b + 128 + 32 * h;
+            for (int l = 0; l < 32; ++l) {
+                const int i = h * 128 + kk * 32 + l;
+                const int lo = (kk / 2) ? ql[l] >> 4 : ql[l] & 15;
+                const int q = (lo | ((qh[l] >> (2 * kk)) & 3) << 4) - 32;
+                y[i] = (d * float(sc[i / 16])) * float(q);
+            }
+        }
+}
+void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
+void dq_bf16(const uint8_t* b, float* y) {
+    uint32_t bits = uint32_t(b[0] | b[1] << 8) << 16;
+    std::memcpy(y, &bits, 4);
+}
+void dq_f32(const uint8_t* b, float* y) { std::memcpy(y, b, 4); }
+
+typedef void (*BlockFn)(const uint8_t*, float*);
+
+BlockFn block_fn(int type) {
+    switch (type) {
+        case T_F32: return dq_f32;
+        case T_F16: return dq_f16;
+        case T_BF16: return dq_bf16;
+        case T_Q4_0: return dq_q4_0;
+        case T_Q4_1: return dq_q4_1;
+        case T_Q5_0: return dq_q5_0;
+        case T_Q5_1: return dq_q5_1;
+        case T_Q8_0: return dq_q8_0;
+        case T_MXFP4: return dq_mxfp4;
+        case T_Q2_K: return dq_q2_k;
+        case T_Q3_K: return dq_q3_k;
+        case T_Q4_K: return dq_q45_k<false>;
+        case T_Q5_K: return dq_q45_k<true>;
+        case T_Q6_K: return dq_q6_k;
+        default: return nullptr;
+    }
+}
+
+struct DqJob {
+    BlockFn fn;
+    TypeInfo ti;
+    const uint8_t* w;
+    size_t wstride;
+    int k;
+    const int64_t* rows;
+    int nrows;
+    bool bf16;
+    void* out;
+    int chunk;
+    std::atomic<int> next{0};
+};
+
+void dq_range(const DqJob& j, int i0, int i1) {
+    float tmp[256];
+    const int nb = j.k / j.ti.elems;
+    for (int i = i0; i < i1; ++i) {
+        const int64_t src = j.rows ? j.rows[i] : i;
+        const uint8_t* row = j.w + size_t(src) * j.wstride;
+        if (!j.bf16) {
+            float* y = static_cast<float*>(j.out) + size_t(i) * j.k;
+            for (int b = 0; b < nb; ++b) j.fn(row + size_t(b) * j.ti.bytes, y + size_t(b) * j.ti.elems);
+        } else {
+            uint16_t* y = static_cast<uint16_t*>(j.out) + size_t(i) * j.k;
+            for (int b = 0; b < nb; ++b) {
+                j.fn(row + size_t(b) * j.ti.bytes, tmp);
+                for (int l = 0; l < j.ti.elems; ++l) y[size_t(b) * j.ti.elems + l] = f32_to_bf16(tmp[l]);
+            }
+        }
+    }
+}
+
+void dq_job(void* p, int) {
+    auto* j = static_cast<DqJob*>(p);
+    for (;;) {
+        int i0 = j->next.fetch_add(j->chunk, std::memory_order_relaxed);
+        if (i0 >= j->nrows) return;
+        dq_range(*j, i0, std::min(j->nrows, i0 + j->chunk));
+    }
+}
+
+}  // namespace
+}  // namespace smk
+
+using namespace smk;
+
+SMK_API int smk_can_dequantize(int type) { return block_fn(type) != nullptr; }
+
+// out[nrows, k] (float32, or bfloat16 bits if out_bf16) = the rows (all n, or rows[i]) of w.
+SMK_API int smk_dequantize(int type, const uint8_t* w, size_t wstride, int n, int k, const int64_t* rows,
+                           int nrows, int out_bf16, void* out) {
+    DqJob j;
+    j.fn = block_fn(type);
+    if (!j.fn) return -1;
+    j.ti = type_info(type);
+    if (n < 0 || k <= 0 || k % j.ti.elems || wstride < size_t(k / j.ti.elems) * j.ti.bytes) return -2;
+    if (!rows) nrows = n;
+    for (int i = 0; rows && i < nrows; ++i)
+        if (rows[i] < 0 || rows[i] >= n) return -4;
+    if (nrows <= 0) return 0;
+    j.w = w; j.wstride = wstride; j.k = k; j.rows = rows; j.nrows = nrows; j.bf16 = out_bf16 != 0; j.out = out;
+    const size_t total = size_t(nrows) * size_t(k);
+    const int nt = num_threads();
+    j.chunk = std::max(1, (nrows + nt * 4 - 1) / (nt * 4));
+    if (nt == 1 || total < (size_t(1) << 15) || nrows == 1) {
+        dq_range(j, 0, nrows);
+    } else {
+        parallel(dq_job, &j);
+    }
+    return 0;
+}

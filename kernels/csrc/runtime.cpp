@@ -1,0 +1,334 @@
+// Runtime: ISA dispatch, the persistent thread pool, and the C API for matmul.
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "smk.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SMK_X86 1
+static inline void cpu_relax() { _mm_pause(); }
+#else
+static inline void cpu_relax() {}
+#endif
+
+namespace smk {
+
+// ---- ISA ------------------------------------------------------------------------------------
+namespace {
+
+enum Isa { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
+const char* kIsaNames[] = {"scalar", "avx2", "avx512bw", "avx512vnni"};
+
+int detect_isa() {
+#ifdef SMK_X86
+    __builtin_cpu_init();
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
+    return vnni ? ISA_VNNI : avx512 ? ISA_AVX512 : avx2 ? ISA_AVX2 : ISA_SCALAR;
+#else
+    return ISA_SCALAR;
+#endif
+}
+
+Kernels g_tables[4];
+int g_best = -1;
+std::atomic<int> g_isa{-1};
+std::once_flag g_init_once;
+
+void init_tables() {
+    g_best = detect_isa();
+    init_scalar(g_tables[ISA_SCALAR]);
+#ifdef SMK_X86
+    g_tables[ISA_AVX2] = g_tables[ISA_SCALAR];
+    init_avx2(g_tables[ISA_AVX2]);
+    g_tables[ISA_AVX512] = g_tables[ISA_AVX2];
+    init_avx512(g_tables[ISA_AVX512]);
+    g_tables[ISA_VNNI] = g_tables[ISA_AVX512];
+    init_avx512vnni(g_tables[ISA_VNNI]);
+#endif
+    int isa = g_best;
+    // SPLITMOE_KERNELS_ISA lowers the ISA (debugging, benchmarks); it never raises it.
+    if (const char* env = std::getenv("SPLITMOE_KERNELS_ISA")) {
+        for (int i = 0; i < 4; ++i)
+            if (!std::strcmp(env, kIsaNames[i]) && i <= g_best) isa = i;
+    }
+    g_isa.store(isa);
+}
+
+}  // namespace
+
+const Kernels& kernels() {
+    std::call_once(g_init_once, init_tables);
+    return g_tables[g_isa.load(std::memory_order_relaxed)];
+}
+
+// ---- thread pool ----------------------------------------------------------------------------
+namespace {
+
+// Workers spin this long for the next job before sleeping on the condition variable: long
+// enough to bridge the gaps between the phases of one MoE layer, short enough not to burn a
+// shared core between requests.
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+struct Pool {
+    explicit Pool(int n) : n_workers(n - 1) {
+        for (int i = 0; i < n_workers; ++i) threads.emplace_back([this, i] { loop(i + 1); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            stop = true;
+            gen.fetch_add(1);
+        }
+        cv_work.notify_all();
+        for (auto& t : threads) t.join();
+    }
+
+    void run(JobFn f, void* c) {
+        fn = f;
+        ctx = c;
+        pending.store(n_workers, std::memory_order_relaxed);
+        gen.fetch_add(1, std::memory_order_release);
+        { std::lock_guard<std::mutex> lk(mu); }
+        cv_work.notify_all();
+        f(c, 0);
+        if (!spin_until([&] { return pending.load(std::memory_order_acquire) == 0; })) {
+            std::unique_lock<std::mutex> lk(mu);
+            cv_done.wait(lk, [&] { return pending.load(std::memory_order_acquire) == 0; });
+        }
+    }
+
+    template <class Pred>
+    static bool spin_until(Pred p) {
+        auto t0 = std::chrono::steady_clock::now();
+        for (unsigned i = 1;; ++i) {
+            if (p()) return true;
+            cpu_relax();
+            if ((i & 63) == 0 && std::chrono::steady_clock::now() - t0 > kSpin) return p();
+        }
+    }
+
+    void loop(int tid) {
+        uint64_t seen = 0;
+        for (;;) {
+            if (!spin_until([&] { return gen.load(std::memory_order_acquire) != seen; })) {
+                std::unique_lock<std::mutex> lk(mu);
+                cv_work.wait(lk, [&] { return gen.load(std::memory_order_acquire) != seen; });
+            }
+            seen = gen.load(std::memory_order_acquire);
+            if (stop) return;
+            fn(ctx, tid);
+            if (pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                { std::lock_guard<std::mutex> lk(mu); }
+                cv_done.notify_one();
+            }
+        }
+    }
+
+    const int n_workers;
+    std::vector<std::thread> threads;
+    std::mutex mu;
+    std::condition_variable cv_work, cv_done;
+    std::atomic<uint64_t> gen{0};
+    std::atomic<int> pending{0};
+    bool stop = false;
+    JobFn fn = nullptr;
+    void* ctx = nullptr;
+};
+
+std::mutex g_pool_mu;          // held while a job runs on the pool, and while it is rebuilt
+Pool* g_pool = nullptr;
+std::atomic<int> g_threads{1};
+std::once_flag g_atfork_once;
+
+void after_fork_child() {
+    // The child has none of the parent's worker threads: forget the pool (leaked on purpose,
+    // its threads do not exist here) and make a new one on first use.
+    new (&g_pool_mu) std::mutex();
+    g_pool = nullptr;
+}
+
+}  // namespace
+
+int num_threads() { return g_threads.load(std::memory_order_relaxed); }
+
+uint8_t* scratch(int slot, size_t n) {
+    struct Slots {
+        void* p[8] = {};
+        size_t cap[8] = {};
+        ~Slots() { for (void* q : p) std::free(q); }
+    };
+    thread_local Slots s;
+    if (s.cap[slot] < n) {
+        std::free(s.p[slot]);
+        size_t cap = std::max<size_t>(n + n / 4, 4096);
+        cap = (cap + 63) / 64 * 64;
+        s.p[slot] = std::aligned_alloc(64, cap);
+        s.cap[slot] = s.p[slot] ? cap : 0;
+    }
+    return static_cast<uint8_t*>(s.p[slot]);
+}
+
+void parallel(JobFn fn, void* ctx) {
+    const int n = num_threads();
+    if (n <= 1) {
+        fn(ctx, 0);
+        return;
+    }
+    std::unique_lock<std::mutex> lk(g_pool_mu, std::try_to_lock);
+    if (!lk.owns_lock()) {  // another thread's job holds the pool: do this one alone
+        fn(ctx, 0);
+        return;
+    }
+    if (!g_pool || g_pool->n_workers != n - 1) {
+        std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, after_fork_child); });
+        delete g_pool;
+        g_pool = new Pool(n);
+    }
+    g_pool->run(fn, ctx);
+}
+
+}  // namespace smk
+
+using namespace smk;
+
+// ---- C API ----------------------------------------------------------------------------------
+
+SMK_API const char* smk_isa() { return kernels().name; }
+
+// Lower the ISA for this process (tests and benchmarks compare the code paths). Returns 0, or
+// -1 if the name is unknown or this CPU cannot run it.
+SMK_API int smk_set_isa(const char* name) {
+    kernels();
+    for (int i = 0; i < 4; ++i)
+        if (!std::strcmp(name, kIsaNames[i])) {
+            if (i > g_best) return -1;
+            g_isa.store(i);
+            return 0;
+        }
+    return -1;
+}
+
+SMK_API const char* smk_best_isa() {
+    kernels();
+    return kIsaNames[g_best];
+}
+
+SMK_API void smk_set_num_threads(int n) {
+    n = std::max(1, std::min(n, 1024));
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    g_threads.store(n);
+    if (g_pool && g_pool->n_workers != n - 1) {
+        delete g_pool;
+        g_pool = nullptr;
+    }
+}
+
+SMK_API int smk_get_num_threads() { return num_threads(); }
+
+SMK_API int smk_supports(int type) { return type >= 0 && type < 64 && kernels().dot[type] != nullptr; }
+
+SMK_API size_t smk_act_bytes(int k) { return act_bytes(k); }
+
+namespace {
+
+struct MatmulJob {
+    DotRowsFn dot;
+    const uint8_t* w;
+    size_t wstride;
+    int n, k, m;
+    const Act* acts;
+    float* out;
+    int chunk;
+    std::atomic<int> next{0};
+};
+
+void matmul_job(void* p, int) {
+    auto* j = static_cast<MatmulJob*>(p);
+    for (;;) {
+        int r0 = j->next.fetch_add(j->chunk, std::memory_order_relaxed);
+        if (r0 >= j->n) return;
+        int r1 = std::min(j->n, r0 + j->chunk);
+        j->dot(j->w, j->wstride, r0, r1, j->k, j->acts, j->m, j->out + r0, size_t(j->n));
+    }
+}
+
+struct QuantJob {
+    QuantizeFn q;
+    const float* x;
+    size_t xstride;
+    int n, k;
+    uint8_t* rec;
+    std::atomic<int> next{0};
+};
+
+void quant_job(void* p, int) {
+    auto* j = static_cast<QuantJob*>(p);
+    const int step = 4;
+    for (;;) {
+        int i0 = j->next.fetch_add(step, std::memory_order_relaxed);
+        if (i0 >= j->n) return;
+        int i1 = std::min(j->n, i0 + step);
+        j->q(j->x + size_t(i0) * j->xstride, j->xstride, i1 - i0, j->k, j->rec + size_t(i0) * act_bytes(j->k));
+    }
+}
+
+
+}  // namespace
+
+namespace smk {
+// Quantize n rows (possibly in parallel) into rec.
+void quantize_rows(const float* x, size_t xstride, int n, int k, uint8_t* rec) {
+    const Kernels& K = kernels();
+    if (size_t(n) * size_t(k) < (size_t(1) << 16) || num_threads() == 1) {
+        K.quantize(x, xstride, n, k, rec);
+        return;
+    }
+    QuantJob j;
+    j.q = K.quantize; j.x = x; j.xstride = xstride; j.n = n; j.k = k; j.rec = rec;
+    parallel(quant_job, &j);
+}
+}  // namespace smk
+
+// out[m, n] = x[m, k] @ dequantize(w[n, k]).T. Returns 0, or a negative error code (the Python
+// side validated the arguments already; this is the last line of defence).
+SMK_API int smk_matmul(int type, const uint8_t* w, size_t wstride, int n, int k, const float* x,
+                       size_t xstride, int m, float* out) {
+    const Kernels& K = kernels();
+    if (type < 0 || type >= 64 || !K.dot[type]) return -1;
+    TypeInfo ti = type_info(type);
+    if (n < 0 || m < 0 || k <= 0 || k % ti.elems || wstride < size_t(k / ti.elems) * ti.bytes) return -2;
+    if (n == 0 || m == 0) return 0;
+    const size_t rb = act_bytes(k);
+    uint8_t* buf = scratch(0, rb * size_t(m) + sizeof(Act) * size_t(m));
+    if (!buf) return -3;
+    quantize_rows(x, xstride, m, k, buf);
+    Act* acts = reinterpret_cast<Act*>(buf + rb * size_t(m));
+    for (int t = 0; t < m; ++t) acts[t] = act_at(buf + rb * size_t(t), k);
+    MatmulJob j;
+    j.dot = K.dot[type]; j.w = w; j.wstride = wstride; j.n = n; j.k = k; j.m = m; j.acts = acts;
+    j.out = out;
+    // Chunks of rows small enough to balance (about 8 per thread) and to keep the per-row
+    // writes of neighbouring threads apart.
+    const int nt = num_threads();
+    j.chunk = std::max(16, (n + nt * 8 - 1) / (nt * 8));
+    j.chunk = (j.chunk + 15) / 16 * 16;
+    if (nt == 1 || n <= j.chunk) {
+        j.dot(w, wstride, 0, n, k, acts, m, out, size_t(n));
+    } else {
+        parallel(matmul_job, &j);
+    }
+    return 0;
+}

@@ -1,0 +1,148 @@
+// SplitMoE native kernels (smk): shared declarations.
+//
+// Plain C++17, no Python or torch headers: the library is loaded with ctypes (kernels/native.py).
+// Weights are read straight from the GGUF block layout (no repacking); activations are quantized
+// once per call to int8 with one float scale per 32 values (see Act below).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#define SMK_API extern "C" __attribute__((visibility("default")))
+
+namespace smk {
+
+// GGML type ids (ggml.h / gguf-py GGMLQuantizationType).
+enum GgmlType : int {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39,
+};
+
+// Elements and bytes per block; 0 if unknown.
+struct TypeInfo { int elems; int bytes; };
+TypeInfo type_info(int type);
+
+// ---- quantized activations ------------------------------------------------------------------
+// One activation row (token) of k values, quantized per block of 32:
+//   q[i]       int8, x[i] ~ d[i/32] * q[i], |q| <= 127
+//   d[j]       the block's scale
+//   s[j]       d[j] * sum(q of block j)  (for the formats with a per-block min/offset)
+//   dx[8j..8j+7] d[j] repeated 8 times: one float per int32 lane of a 32-byte dot product, so a
+//              512-bit register of 16 such lanes covers two blocks with one aligned load.
+// Rows are padded with zero blocks to a multiple of 64 values (kpad), so 64-value kernels never
+// read past a row's end for the activations.
+struct Act {
+    const int8_t* q;
+    const float* dx;
+    const float* d;
+    const float* s;
+};
+
+inline size_t act_kpad(int k) { return (size_t(k) + 63) / 64 * 64; }
+// Bytes of one activation record (q | dx | d | s, each 64-byte aligned).
+inline size_t act_bytes(int k) {
+    size_t kp = act_kpad(k);
+    return kp + kp * sizeof(float) / 4 + 2 * ((kp / 32 * sizeof(float) + 63) / 64 * 64);
+}
+inline Act act_at(uint8_t* rec, int k) {
+    size_t kp = act_kpad(k);
+    Act a;
+    a.q = reinterpret_cast<const int8_t*>(rec);
+    a.dx = reinterpret_cast<const float*>(rec + kp);
+    a.d = reinterpret_cast<const float*>(rec + kp + kp);
+    a.s = a.d + (kp / 32 * sizeof(float) + 63) / 64 * 64 / sizeof(float);
+    return a;
+}
+
+// ---- kernel table (one per ISA) -------------------------------------------------------------
+// Dot weight rows [r0, r1) (row r at w + r * wstride, GGUF block layout, k values) with m
+// activation rows: out[t * ostride + (r - r0)] = dot(row r, act t).
+typedef void (*DotRowsFn)(const uint8_t* w, size_t wstride, int r0, int r1, int k,
+                          const Act* acts, int m, float* out, size_t ostride);
+// Quantize n float rows of k values (row i at x + i * xstride) into records at rec + i * act_bytes(k).
+typedef void (*QuantizeFn)(const float* x, size_t xstride, int n, int k, uint8_t* rec);
+
+struct Kernels {
+    const char* name;
+    QuantizeFn quantize;
+    DotRowsFn dot[64];  // by GGML type id; null: no native matmul for that type
+};
+
+void init_scalar(Kernels& k);
+void init_avx2(Kernels& k);      // fills only what it implements on top of scalar
+void init_avx512(Kernels& k);
+void init_avx512vnni(Kernels& k);
+
+const Kernels& kernels();  // the table for the ISA in use
+
+// ---- thread pool ----------------------------------------------------------------------------
+// Runs fn(ctx, tid) on every pool thread and the caller (tid 0) and returns when all are done.
+// Work is shared out by the job itself (atomic counters), so any number of participants is
+// correct: when the pool is busy with another caller's job, the caller runs the job alone.
+typedef void (*JobFn)(void* ctx, int tid);
+void parallel(JobFn fn, void* ctx);
+int num_threads();
+
+// A 64-byte aligned buffer of at least n bytes owned by the calling thread, reused across calls
+// (no allocation, no fresh pages to fault in per call). `slot` tells apart the buffers one call
+// needs at once. Valid until the same thread asks for the same slot again.
+uint8_t* scratch(int slot, size_t n);
+
+// ---- scalar helpers -------------------------------------------------------------------------
+inline float fp16_to_f32(uint16_t h) {
+    uint32_t sign = uint32_t(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        int e = -1;
+        do { man <<= 1; ++e; } while (!(man & 0x400));
+        bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+inline float ld_fp16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return fp16_to_f32(h);
+}
+// MXFP4's E8M0 byte as 2**(e - 128): the doubled e2m1 codes times this give the value.
+inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? (0x00200000u << e) : (uint32_t(e) - 1) << 23;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch rounds it
+    return uint16_t((b + 0x7fffu + ((b >> 16) & 1)) >> 16);
+}
+inline uint32_t ld_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+// Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins.
+inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a = ld_u32(s), b = ld_u32(s + 4), c = ld_u32(s + 8);
+    uint32_t s0 = a & 0x3f3f3f3fu, m0 = b & 0x3f3f3f3fu;
+    uint32_t s1 = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    uint32_t m1 = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    std::memcpy(sc, &s0, 4); std::memcpy(sc + 4, &s1, 4);
+    std::memcpy(mn, &m0, 4); std::memcpy(mn + 4, &m1, 4);
+}
+
+extern const int8_t kMxfp4[16];  // doubled e2m1 code points
+
+}  // namespace smk

@@ -1,0 +1,363 @@
+"""Native CPU kernels for quantized matmuls, dequantization and MoE expert FFNs.
+
+A plain C++ shared library (kernels/csrc, built by setup.py as kernels/_native*.so) loaded with
+ctypes, which releases the GIL for the duration of every call. It reads the weights straight
+from their GGUF blocks (usually read-only views of the mmap: no copies, no repacking) and
+quantizes the activations to int8 per block of 32 values, as ggml does, for integer dot
+products. The instruction set is chosen at run time: AVX-512 VNNI, AVX-512BW, AVX2 or portable
+scalar code (`isa()`); SPLITMOE_KERNELS_ISA=avx2 (or scalar, ...) lowers it for a process.
+
+If the library is missing (no compiler at install time) or cannot be loaded, AVAILABLE is False,
+UNAVAILABLE_REASON says why, one warning is logged, and callers use the pure-torch kernels
+(kernels.quants, kernels.moe).
+
+The native thread pool is process-wide, sized by set_num_threads() (default: torch's).
+Calls from several Python threads at once are safe: a call that finds the pool busy runs on its
+own thread alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import math
+import os
+from typing import Mapping
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from kernels.quants import QuantTensor
+
+log = logging.getLogger("splitmoe.kernels")
+
+AVAILABLE: bool = False
+UNAVAILABLE_REASON: str | None = None
+
+_lib: ctypes.CDLL | None = None
+_FLOAT_TYPES = {int(T.F32): (1, 4), int(T.F16): (1, 2), int(T.BF16): (1, 2)}
+_SIZES = {int(t): tuple(v) for t, v in GGML_QUANT_SIZES.items()} | _FLOAT_TYPES  # type -> (elems, bytes)
+_native_types: frozenset[int] = frozenset()
+_ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+
+
+def _find_library() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_native*.so")) + glob.glob(os.path.join(here, "_native*.dylib")))
+    return found[0] if found else None
+
+
+def _load() -> None:
+    global _lib, AVAILABLE, UNAVAILABLE_REASON
+    path = _find_library()
+    if path is None:
+        UNAVAILABLE_REASON = ("kernels/_native*.so was not built (no C++ compiler when the package was "
+                              "installed? reinstall with g++ available)")
+    else:
+        try:
+            lib = ctypes.CDLL(path)
+            _declare(lib)
+            lib.smk_isa()  # detects the CPU
+        except (OSError, AttributeError) as e:
+            UNAVAILABLE_REASON = f"cannot load {path}: {e}"
+        else:
+            global _native_types
+            _lib = lib
+            AVAILABLE = True
+            _native_types = frozenset(t for t in range(64) if lib.smk_supports(t))
+            _lib.smk_set_num_threads(max(1, torch.get_num_threads()))
+            return
+    log.warning("native kernels unavailable, using the pure-torch fallback: %s", UNAVAILABLE_REASON)
+
+
+class _Expert(ctypes.Structure):
+    _fields_ = [
+        ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+        ("gate_stride", ctypes.c_int64), ("up_stride", ctypes.c_int64), ("down_stride", ctypes.c_int64),
+        ("gate_type", ctypes.c_int32), ("up_type", ctypes.c_int32), ("down_type", ctypes.c_int32),
+        ("activation", ctypes.c_int32),
+        ("gate_bias", ctypes.c_void_p), ("up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
+    ]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    for name, res, args in [
+        ("smk_isa", ctypes.c_char_p, []),
+        ("smk_best_isa", ctypes.c_char_p, []),
+        ("smk_set_isa", I, [ctypes.c_char_p]),
+        ("smk_set_num_threads", None, [I]),
+        ("smk_get_num_threads", I, []),
+        ("smk_supports", I, [I]),
+        ("smk_can_dequantize", I, [I]),
+        ("smk_matmul", I, [I, P, Z, I, I, P, Z, I, P]),
+        ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
+        ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
+    ]:
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+
+
+def isa() -> str:
+    """The instruction set the kernels use: "avx512vnni" | "avx512bw" | "avx2" | "scalar"."""
+    _need()
+    return _lib.smk_isa().decode()
+
+
+def _set_isa(name: str) -> None:
+    """Lower the instruction set for this process (tests and benchmarks compare code paths)."""
+    _need()
+    if _lib.smk_set_isa(name.encode()) != 0:
+        raise ValueError(f"ISA {name!r} is unknown or not supported by this CPU (best: {_best_isa()})")
+
+
+def _best_isa() -> str:
+    _need()
+    return _lib.smk_best_isa().decode()
+
+
+def set_num_threads(n: int) -> None:
+    """The native pool's size, process-wide (1: the calling thread does all the work)."""
+    _need()
+    if int(n) < 1:
+        raise ValueError(f"set_num_threads: want n >= 1, got {n}")
+    _lib.smk_set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    _need()
+    return int(_lib.smk_get_num_threads())
+
+
+def supports(ggml_type: int) -> bool:
+    """Whether `matmul` (and MoELayer) have a native kernel for this GGML type."""
+    return int(ggml_type) in _native_types
+
+
+def _need() -> None:
+    if not AVAILABLE:
+        raise RuntimeError(f"native kernels unavailable: {UNAVAILABLE_REASON}")
+
+
+def _type_name(t: int) -> str:
+    try:
+        return T(t).name
+    except ValueError:
+        return f"type {t}"
+
+
+def _rows(w: QuantTensor, what: str) -> tuple[np.ndarray, int, int, int]:
+    """w's storage as C-contiguous uint8 [n, row_bytes] (a view when it already is), n, k, row bytes."""
+    if not isinstance(w, QuantTensor):
+        raise ValueError(f"{what}: want a QuantTensor, got {type(w).__name__}")
+    if len(w.shape) < 1 or any(d < 0 for d in w.shape):
+        raise ValueError(f"{what}: tensor {w.name!r} has shape {w.shape}")
+    t = int(w.ggml_type)
+    try:
+        elems, nbytes = _SIZES[t]
+    except KeyError:
+        raise ValueError(f"{what}: tensor {w.name!r}: unsupported quant type {_type_name(t)}") from None
+    k = int(w.shape[-1])
+    n = math.prod(w.shape[:-1])
+    if k == 0 or k % elems:
+        raise ValueError(f"{what}: tensor {w.name!r}: row length {k} is not a multiple of "
+                         f"{_type_name(t)}'s block of {elems}")
+    row_bytes = k // elems * nbytes
+    data = w.data
+    if not isinstance(data, np.ndarray) or data.nbytes != n * row_bytes:
+        raise ValueError(f"{what}: tensor {w.name!r}: {getattr(data, 'nbytes', '?')} bytes of "
+                         f"{_type_name(t)} do not hold shape {w.shape}")
+    if not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return data, n, k, row_bytes
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape \
+            or out.device.type != "cpu" or not out.is_contiguous():
+        desc = (f"{tuple(out.shape)} {out.dtype} on {out.device}"
+                f"{'' if out.is_contiguous() else ' (not contiguous)'}") if isinstance(out, torch.Tensor) \
+            else type(out).__name__
+        raise ValueError(f"{what}: out must be a contiguous CPU {dtype} tensor of shape {shape}, got {desc}")
+
+
+def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.device.type != "cpu":
+        raise ValueError(f"{what}: x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if x.shape[1] != k:
+        raise ValueError(f"{what}: x has {x.shape[1]} columns, the weight rows have {k}")
+    return x.contiguous()
+
+
+def matmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [m, n] = x [m, k] @ dequantize(w [n, k]).T, activations quantized to int8 per 32.
+
+    Meant for small m (decode): each weight row is read once and dotted with every row of x.
+    """
+    _need()
+    if not isinstance(w, QuantTensor) or len(w.shape) != 2:
+        raise ValueError(f"matmul: w must be a 2-D QuantTensor, got "
+                         f"{getattr(w, 'shape', type(w).__name__)}")
+    if not supports(w.ggml_type):
+        raise ValueError(f"matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
+    data, n, k, row_bytes = _rows(w, "matmul")
+    x = _check_x(x, k, "matmul")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    else:
+        _check_out(out, (m, n), torch.float32, "matmul")
+    if m == 0 or n == 0:
+        return out
+    rc = _lib.smk_matmul(int(w.ggml_type), _ptr(data), row_bytes, n, k, x.data_ptr(), k, m, out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"matmul: native kernel refused tensor {w.name!r} (code {rc})")
+    return out
+
+
+def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """w's values as float32 (bit-identical to kernels.quants.dequantize) or bfloat16, in w.shape;
+    with `rows` (1-D integer indices into a 2-D w's first dim): just those rows, [len(rows), k]."""
+    _need()
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {dtype}")
+    data, n, k, row_bytes = _rows(w, "dequantize")
+    if not _lib.smk_can_dequantize(int(w.ggml_type)):
+        raise ValueError(f"dequantize: tensor {w.name!r}: unsupported quant type {_type_name(int(w.ggml_type))}")
+    if rows is not None:
+        if len(w.shape) != 2:
+            raise ValueError(f"dequantize: rows= needs a 2-D tensor, {w.name!r} has shape {w.shape}")
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype.is_floating_point \
+                or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise ValueError("dequantize: rows must be a 1-D integer tensor")
+        idx = rows.to(device="cpu", dtype=torch.int64).contiguous()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise ValueError(f"dequantize: rows out of range for {w.name!r} with {n} rows")
+        shape: tuple[int, ...] = (idx.numel(), k)
+        nrows, rows_ptr = idx.numel(), idx.data_ptr()
+    else:
+        shape, nrows, rows_ptr = tuple(w.shape), n, None
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        _check_out(out, shape, dtype, "dequantize")
+    if nrows == 0:
+        return out
+    rc = _lib.smk_dequantize(int(w.ggml_type), _ptr(data), row_bytes, n, k, rows_ptr, nrows,
+                             int(dtype == torch.bfloat16), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"dequantize: native kernel refused tensor {w.name!r} (code {rc})")
+    return out
+
+
+class MoELayer:
+    """One MoE layer's hosted experts, prepared once (pointers into the mmap; no copies)."""
+
+    def __init__(self, ffns: Mapping, num_experts: int) -> None:
+        """ffns: expert id -> kernels.moe.ExpertFFN (gate/up [ffn, D], down [D, ffn], optional
+        float32 biases, activation "silu" | "swiglu_oai"); every expert with the same shape."""
+        _need()
+        self.num_experts = int(num_experts)
+        if self.num_experts < 0:
+            raise ValueError(f"MoELayer: num_experts must be >= 0, got {num_experts}")
+        self.experts = sorted(int(e) for e in ffns)
+        bad = [e for e in self.experts if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"MoELayer: expert ids {bad} outside [0, {self.num_experts})")
+        self._keep: list = []  # arrays the C side points into
+        self._table = (_Expert * max(1, len(self.experts)))()
+        index = np.full(max(1, self.num_experts), -1, dtype=np.int32)
+        self.hidden_size = self.ffn_size = None
+        for i, e in enumerate(self.experts):
+            self._table[i] = self._prepare(e, ffns[e])
+            index[e] = i
+        self._index = index
+        self._keep.append(index)
+
+    def _prepare(self, e: int, ffn) -> _Expert:
+        mats = {}
+        for name in ("gate", "up", "down"):
+            w = getattr(ffn, name)
+            if not isinstance(w, QuantTensor) or len(w.shape) != 2:
+                raise ValueError(f"MoELayer: expert {e} {name} must be a 2-D QuantTensor")
+            if not supports(w.ggml_type):
+                raise ValueError(f"MoELayer: expert {e} {name} ({w.name!r}): no native kernel for "
+                                 f"{_type_name(int(w.ggml_type))}")
+            mats[name] = _rows(w, f"MoELayer expert {e} {name}")
+        ffn_size, hidden = ffn.gate.shape
+        if ffn.up.shape != (ffn_size, hidden) or ffn.down.shape != (hidden, ffn_size):
+            raise ValueError(f"MoELayer: expert {e}: gate {ffn.gate.shape}, up {ffn.up.shape}, down "
+                             f"{ffn.down.shape} are not [ffn, D], [ffn, D], [D, ffn]")
+        if self.hidden_size is None:
+            self.hidden_size, self.ffn_size = hidden, ffn_size
+        elif (hidden, ffn_size) != (self.hidden_size, self.ffn_size):
+            raise ValueError(f"MoELayer: expert {e} is [{ffn_size}, {hidden}], the others "
+                             f"[{self.ffn_size}, {self.hidden_size}]")
+        if ffn.activation not in _ACTIVATIONS:
+            raise ValueError(f"MoELayer: expert {e}: unknown activation {ffn.activation!r}")
+        biases = {}
+        for name, size in (("gate_bias", ffn_size), ("up_bias", ffn_size), ("down_bias", hidden)):
+            b = getattr(ffn, name)
+            if b is None:
+                biases[name] = None
+                continue
+            b = torch.as_tensor(b).detach().to(device="cpu", dtype=torch.float32).contiguous()
+            if b.shape != (size,):
+                raise ValueError(f"MoELayer: expert {e} {name} has shape {tuple(b.shape)}, want ({size},)")
+            self._keep.append(b)
+            biases[name] = b.data_ptr()
+        for data, *_ in mats.values():
+            self._keep.append(data)
+        g, u, d = mats["gate"], mats["up"], mats["down"]
+        return _Expert(_ptr(g[0]), _ptr(u[0]), _ptr(d[0]), g[3], u[3], d[3],
+                       int(ffn.gate.ggml_type), int(ffn.up.ggml_type), int(ffn.down.ggml_type),
+                       _ACTIVATIONS[ffn.activation], biases["gate_bias"], biases["up_bias"], biases["down_bias"])
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [T, D]: sum over the slots whose expert is hosted here of weight * FFN(x[t]).
+        With `out`, the result is added into it."""
+        if self.hidden_size is None:  # no experts hosted: nothing to add
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                raise ValueError("MoELayer.forward: x must be a 2-D tensor")
+            return torch.zeros(x.shape, dtype=torch.float32) if out is None else out
+        D = self.hidden_size
+        x = _check_x(x, D, "MoELayer.forward")
+        T_ = x.shape[0]
+        if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2 or expert_ids.shape[0] != T_ \
+                or expert_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"MoELayer.forward: expert_ids must be int32/int64 [T={T_}, K], got "
+                             f"{getattr(expert_ids, 'shape', None)} {getattr(expert_ids, 'dtype', None)}")
+        K = expert_ids.shape[1]
+        if not isinstance(expert_weights, torch.Tensor) or tuple(expert_weights.shape) != (T_, K) \
+                or expert_weights.dtype != torch.float32:
+            raise ValueError(f"MoELayer.forward: expert_weights must be float32 [{T_}, {K}], got "
+                             f"{getattr(expert_weights, 'shape', None)} {getattr(expert_weights, 'dtype', None)}")
+        if out is None:
+            out = torch.zeros(T_, D, dtype=torch.float32)
+        else:
+            _check_out(out, (T_, D), torch.float32, "MoELayer.forward")
+        if T_ == 0 or K == 0:
+            return out
+        ids = expert_ids.to(device="cpu", dtype=torch.int32).contiguous()
+        wts = expert_weights.cpu().contiguous()
+        rc = _lib.smk_moe_forward(ctypes.addressof(self._table), _ptr(self._index), self.num_experts, D,
+                                  self.ffn_size, x.data_ptr(), T_, K, ids.data_ptr(), wts.data_ptr(),
+                                  out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"MoELayer.forward: native kernel refused the call (code {rc})")
+        return out
+
+    __call__ = forward
+
+
+_load()

@@ -1,0 +1,43 @@
+"""Builds the optional native kernel library kernels/_native*.so (see kernels/native.py).
+
+Everything else about the package is in pyproject.toml. The extension is `optional`: without a
+C++ compiler `pip install` still succeeds and the kernels fall back to pure torch. It is a plain
+C++17 shared library with a C API loaded through ctypes (no Python or torch headers), built for
+the baseline x86-64 ISA; the AVX2 / AVX-512 / AVX-512 VNNI kernels are compiled per function
+with target attributes and chosen at run time from the CPU's features (never -march=native: the
+same wheel or image must run on any x86-64 machine).
+"""
+import sys
+
+from setuptools import Extension, setup
+
+SOURCES = [
+    "kernels/csrc/runtime.cpp",
+    "kernels/csrc/dot_scalar.cpp",
+    "kernels/csrc/dot_avx2.cpp",
+    "kernels/csrc/dot_avx512.cpp",
+    "kernels/csrc/dot_avx512vnni.cpp",
+    "kernels/csrc/moe.cpp",
+    "kernels/csrc/dequant.cpp",
+]
+
+ext_modules = []
+if sys.platform.startswith("linux") or sys.platform == "darwin":
+    ext_modules.append(
+        Extension(
+            "kernels._native",
+            sources=SOURCES,
+            depends=["kernels/csrc/smk.h", "kernels/csrc/dot_avx512.inc"],
+            language="c++",
+            extra_compile_args=[
+                "-std=c++17", "-O3", "-g0", "-fvisibility=hidden",
+                # no fused multiply-adds unless written: dequantize must round like kernels.quants
+                "-ffp-contract=off",
+                "-fno-math-errno", "-pthread",
+            ],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules)

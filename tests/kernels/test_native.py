@@ -1,0 +1,408 @@
+"""kernels.native (the C++ kernels) against float64 references built from kernels.quants.
+
+matmul quantizes the activations to int8 per block of 32 (scale = max|x| / 127), so its result
+differs from the exact product by the rounding of x: uniform within half a step (max|x| / 127),
+i.e. a standard deviation of step / sqrt(12). For Gaussian x a block's max is about 2.07 sigma,
+so that is 0.47% of sigma, and a dot product with independent weights carries the same relative
+error: 0.5% rel-L2 expected, 0.46-0.57% measured over every format. The bound used, 1e-2,
+leaves headroom for that and is far below what any wrong scale, offset, nibble order or sign
+would give (those err by O(1)). A second, much tighter check compares with the exact product of
+the int8-rounded activations (emulated in torch), where only float32 summation differs. Every
+ISA this CPU can run is tested, all against the same references.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from kernels import native
+from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
+from kernels.quants import QuantTensor, dequantize as ref_dequantize
+from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, random_blocks
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
+
+MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1]
+TOL = 1e-2
+
+
+def _isas() -> list[str]:
+    if not native.AVAILABLE:
+        return ["scalar"]
+    order = ["scalar", "avx2", "avx512bw", "avx512vnni"]
+    return order[: order.index(native._best_isa()) + 1]
+
+
+ISAS = _isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    native._set_isa(request.param)
+    yield request.param
+    native._set_isa(native._best_isa())
+
+
+def qt(qtype: T, shape: tuple[int, ...], seed: int, name: str = "w") -> QuantTensor:
+    raw = random_blocks(qtype, shape, np.random.default_rng(seed))
+    raw.flags.writeable = False  # as the mmap view is
+    return QuantTensor(name, int(qtype), shape, raw)
+
+
+def tame(qtype: T, shape: tuple[int, ...], seed: int, name: str, scale: float) -> QuantTensor:
+    """Random blocks with every fp16 scale (and min) in [scale/2, scale]: weights of one
+    magnitude, as trained ones are, so that an MoE's output is O(1)."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qtype, shape, rng)
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, nbytes)
+    for off in FP16_FIELDS[qtype]:
+        d = (rng.uniform(0.5, 1.0, len(blocks)) * scale).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype == T.MXFP4:
+        blocks[:, 0] = 127 + int(np.round(np.log2(scale))) + rng.integers(-1, 1, len(blocks))
+    if qtype in (T.Q4_K, T.Q5_K):  # 6-bit scales and mins: keep the mins below the scales' reach
+        pass
+    raw.flags.writeable = False
+    return QuantTensor(name, int(qtype), shape, raw)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-300))
+
+
+def ref_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    return x.double() @ ref_dequantize(w).double().T
+
+
+def quantize_act(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: int8 per block of 32, scale max|x| / 127 (float32 ops as in C)."""
+    b = x.float().reshape(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+def check_matmul(got: torch.Tensor, x: torch.Tensor, w: QuantTensor, what) -> float:
+    """Tight: equal to the exact product of the int8-quantized activations up to float32
+    summation error. Returns the rel-L2 error against the exact product of x."""
+    wd = ref_dequantize(w).double()
+    xq = quantize_act(x)
+    bound = 2e-6 * (xq.abs() @ wd.abs().T) + 1e-30
+    assert ((got.double() - xq @ wd.T).abs() <= bound).all(), what
+    return rel_l2(got, x.double() @ wd.T)
+
+
+def test_reports_isa_and_threads():
+    assert native.isa() in ("avx512vnni", "avx512bw", "avx2", "scalar")
+    assert native.get_num_threads() >= 1
+    assert all(native.supports(int(t)) for t in MATMUL_TYPES)
+    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ2_XXS))
+
+
+@pytest.mark.parametrize("qtype", MATMUL_TYPES, ids=lambda t: t.name)
+def test_matmul_every_type_and_isa(qtype, isa):
+    elems = GGML_QUANT_SIZES[qtype][0]
+    gen = torch.Generator().manual_seed(int(qtype))
+    for i, (m, n, k) in enumerate([(1, 19, elems), (37, 21, 3 * max(256, elems)), (4, 5, 2 * 256 + (32 if elems == 32 else 0))]):
+        w = qt(qtype, (n, k), seed=100 * int(qtype) + i)
+        x = torch.randn(m, k, generator=gen)
+        got = native.matmul(x, w)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        err = check_matmul(got, x, w, (qtype.name, isa, m, n, k))
+        if m * n > 100:  # enough dot products for the error's average to be a fair bound
+            assert err <= TOL, (qtype.name, isa, m, n, k, err)
+
+
+def test_isas_agree_closely():
+    """The SIMD paths compute the same integer sums as the scalar one: only float summation
+    order differs."""
+    w = qt(T.Q4_K, (33, 512), seed=7)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(7))
+    results = {}
+    for name in ISAS:
+        native._set_isa(name)
+        results[name] = native.matmul(x, w)
+    native._set_isa(native._best_isa())
+    for name, r in results.items():
+        assert float((r - results["scalar"]).abs().max()) <= 1e-5 * float(r.abs().max()), name
+
+
+def test_matmul_inputs():
+    w = qt(T.Q8_0, (7, 64), seed=1)
+    base = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
+    x = base.T  # not contiguous
+    assert not x.is_contiguous()
+    check_matmul(native.matmul(x, w), x, w, "non-contiguous")
+    out = torch.full((3, 7), 5.0)
+    assert native.matmul(x, w, out=out) is out  # overwritten, not added
+    check_matmul(out, x, w, "out")
+    assert native.matmul(torch.zeros(0, 64), w).shape == (0, 7)
+    assert native.matmul(torch.zeros(2, 64), w).abs().max() == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x, w: native.matmul(x.double(), w), "float32"),
+    (lambda x, w: native.matmul(x[:, :32], w), "columns"),
+    (lambda x, w: native.matmul(x[0], w), "2-D"),
+    (lambda x, w: native.matmul(x, QuantTensor("f", int(T.F32), (2, 64), np.zeros((2, 64), np.float32))), "F32"),
+    (lambda x, w: native.matmul(x, QuantTensor("s", int(T.Q8_0), (2, 64), np.zeros((2, 60), np.uint8))), "bytes"),
+    (lambda x, w: native.matmul(x, w, out=torch.zeros(3, 8)), "out"),
+    (lambda x, w: native.matmul(x, w, out=torch.zeros(3, 7, dtype=torch.float64)), "out"),
+    (lambda x, w: native.matmul(x, "w"), "QuantTensor"),
+])
+def test_matmul_rejects_bad_inputs(bad, match):
+    w = qt(T.Q8_0, (7, 64), seed=1)
+    with pytest.raises(ValueError, match=match):
+        bad(torch.randn(3, 64), w)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+def test_dequantize_bit_identical(qtype):
+    elems = GGML_QUANT_SIZES[qtype][0]
+    k = max(256, elems)
+    if qtype in FLOAT_TYPES:
+        x = torch.randn(13, 40, generator=torch.Generator().manual_seed(3))
+        from gguf import quants as gq
+        raw = gq.quantize(x.numpy(), qtype)
+        w = QuantTensor("f", int(qtype), (13, 40), raw)
+    else:
+        w = qt(qtype, (300, k), seed=int(qtype))  # enough rows to run on the pool
+    want = ref_dequantize(w)
+    got = native.dequantize(w)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    rows = torch.tensor([5, 0, 5, w.shape[0] - 1])
+    torch.testing.assert_close(native.dequantize(w, rows=rows), want[rows], rtol=0, atol=0)
+    bf = native.dequantize(w, torch.bfloat16, rows=rows.int())
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), want[rows].bfloat16().view(torch.int16))
+    out = torch.empty(w.shape, dtype=torch.bfloat16)
+    assert native.dequantize(w, torch.bfloat16, out=out) is out
+    assert torch.equal(out.view(torch.int16), want.bfloat16().view(torch.int16))
+
+
+def test_dequantize_expert_tensor_and_errors():
+    w = qt(T.Q6_K, (3, 4, 256), seed=5)
+    assert torch.equal(native.dequantize(w), ref_dequantize(w))
+    assert torch.equal(native.dequantize(w[1]), ref_dequantize(w[1]))
+    with pytest.raises(ValueError, match="out of range"):
+        native.dequantize(w[0], rows=torch.tensor([4]))
+    with pytest.raises(ValueError, match="dtype"):
+        native.dequantize(w[0], torch.float16)
+    with pytest.raises(ValueError, match="unsupported"):
+        native.dequantize(QuantTensor("iq", int(T.IQ2_XXS), (1, 256), np.zeros((1, 66), np.uint8)))
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+
+D, FFN, E, K = 512, 256, 6, 2
+
+
+def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), seed: int = 0) -> dict[int, ExpertFFN]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def bias(n):
+        return 0.5 * torch.randn(n, generator=gen) if biases else None
+
+    # random quants have mean |q| ~ 8-16 per unit of scale, so these keep gate/up O(1-10)
+    # (swiglu_oai's clamps at 7 are reached) and the output O(1)
+    return {e: ExpertFFN(tame(types[0], (FFN, D), seed * 1000 + 3 * e, f"gate{e}", 0.003),
+                         tame(types[1], (FFN, D), seed * 1000 + 3 * e + 1, f"up{e}", 0.003),
+                         tame(types[2], (D, FFN), seed * 1000 + 3 * e + 2, f"down{e}", 0.003),
+                         bias(FFN), bias(FFN), bias(D), activation)
+            for e in range(E)}
+
+
+class RefFFN:
+    """One expert in float64 from its exactly dequantized weights (native.dequantize: faster than
+    kernels.quants, and bit-identical to it, as test_dequantize_bit_identical checks)."""
+
+    def __init__(self, f: ExpertFFN):
+        self.w = [native.dequantize(m).double() for m in (f.gate, f.up, f.down)]
+        self.b = [None if b is None else b.double() for b in (f.gate_bias, f.up_bias, f.down_bias)]
+        self.activation = f.activation
+
+    def lin(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w[i].T
+        return y if self.b[i] is None else y + self.b[i]
+
+    def __call__(self, x: torch.Tensor, quantized: bool) -> torch.Tensor:
+        q = quantize_act if quantized else (lambda v: v.double())
+        g, u = self.lin(0, q(x)), self.lin(1, q(x))
+        if self.activation == ACT_SILU:
+            h = g * torch.sigmoid(g) * u
+        else:
+            g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+            h = (u + 1) * g * torch.sigmoid(1.702 * g)
+        return self.lin(2, q(h.float()) if quantized else h)
+
+
+def moe_reference(x, ids, weights, ffns: dict[int, RefFFN], quantized: bool = False) -> torch.Tensor:
+    """The definition in float64 (each slot's weight times its expert's FFN, summed per token);
+    `quantized`: with the kernels' int8 rounding of the tokens and of the intermediate
+    activations (float32 there, as the kernel has them)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e, f in ffns.items():
+        tok, k = (ids == e).nonzero(as_tuple=True)
+        if len(tok):
+            out.index_add_(0, tok, weights[tok, k].double()[:, None] * f(x[tok], quantized))
+    return out
+
+
+# Measured rel-L2 against the exact float64 result with these random weights: 0.1-1.8%. The
+# intermediate activations are heavy-tailed (products of two Gaussians, clamped or not), so their
+# per-32 int8 rounding costs more than the tokens' does, and the two roundings add up. The
+# emulated reference, which rounds where the kernel does, must agree far more closely: there
+# the only differences are float32 summation and the odd intermediate rounding that flips by
+# one step because the kernel's float32 value differs from float64 in the last bits (measured:
+# below 1e-5).
+MOE_TOL, MOE_TOL_EMULATED = 3e-2, 1e-4
+
+
+def check_moe(got, x, ids, weights, experts) -> None:
+    ffns = {e: RefFFN(f) for e, f in experts.items()}
+    assert rel_l2(got, moe_reference(x, ids, weights, ffns, quantized=True)) <= MOE_TOL_EMULATED
+    assert rel_l2(got, moe_reference(x, ids, weights, ffns)) <= MOE_TOL
+
+
+@pytest.mark.parametrize("tokens, activation, biases", [(1, ACT_SILU, False), (1, ACT_SWIGLU_OAI, True),
+                                                        (64, ACT_SWIGLU_OAI, True)])
+def test_moe_layer_matches_reference(tokens, activation, biases):
+    experts = make_experts(activation, biases, seed=tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, D, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+    if tokens > 1:
+        assert set(ids.flatten().tolist()) == set(range(E))  # every expert hit
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1)
+    layer = native.MoELayer(experts, E)
+    check_moe(layer.forward(x, ids, weights), x, ids, weights, experts)
+
+
+def test_moe_idle_foreign_and_unhosted_experts_and_accumulation():
+    experts = make_experts(ACT_SWIGLU_OAI, True, types=(T.MXFP4, T.MXFP4, T.Q8_0), seed=3)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, D, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 3], [-1, 0], [3, 3], [0, 1], [8, 1], [4, 0], [1, 0], [0, -1]], dtype=torch.int32)
+    weights = torch.rand(9, K, generator=gen)
+    shard = {e: experts[e] for e in (0, 1, 2)}  # 2 hosted but idle; 3, 4 routed but not hosted; 8 unknown
+    layer = native.MoELayer(shard, 10)
+    prior = torch.randn(9, D, generator=gen)
+    out = prior.clone()
+    assert layer.forward(x, ids.long(), weights, out=out) is out
+    check_moe(out - prior, x, ids, weights, shard)
+    # only tokens routed to a hosted expert changed
+    untouched = out[3] - prior[3]
+    assert untouched.abs().max() == 0
+
+
+def test_moe_silu_q8_and_mixed_types_against_kernels_moe():
+    experts = make_experts(ACT_SILU, False, types=(T.Q8_0, T.Q4_0, T.Q5_K), seed=4)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, D, generator=gen)
+    ids = torch.randint(0, E, (5, K), generator=gen)
+    weights = torch.rand(5, K, generator=gen)
+    got = native.MoELayer(experts, E).forward(x, ids, weights)
+    assert rel_l2(got, moe_forward(x, ids, weights, experts).double()) <= MOE_TOL  # the torch path
+
+
+def test_moe_rejects_bad_inputs():
+    experts = make_experts(ACT_SILU, False, seed=5)
+    layer = native.MoELayer({0: experts[0]}, E)
+    x, ids, w = torch.randn(2, D), torch.zeros(2, K, dtype=torch.long), torch.ones(2, K)
+    for args, match in [((x.double(), ids, w), "float32"), ((x[:, :256], ids, w), "columns"),
+                        ((x, ids.float(), w), "expert_ids"), ((x, ids, w[:, :1]), "expert_weights"),
+                        ((x, ids[:1], w), "expert_ids")]:
+        with pytest.raises(ValueError, match=match):
+            layer.forward(*args)
+    with pytest.raises(ValueError, match="out"):
+        layer.forward(x, ids, w, out=torch.zeros(2, D + 1))
+    f32 = QuantTensor("g", int(T.F32), (FFN, D), np.zeros((FFN, D), np.float32))
+    with pytest.raises(ValueError, match="F32"):
+        native.MoELayer({0: ExpertFFN(f32, experts[0].up, experts[0].down)}, E)
+    with pytest.raises(ValueError, match="outside"):
+        native.MoELayer({7: experts[0]}, E)
+    assert native.MoELayer({}, E).forward(x, ids, w).abs().max() == 0
+
+
+def test_threads_agree():
+    w = qt(T.Q4_K, (300, 1024), seed=9)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(9))
+    n0 = native.get_num_threads()
+    try:
+        native.set_num_threads(1)
+        one = native.matmul(x, w)
+        native.set_num_threads(3)
+        assert native.get_num_threads() == 3
+        assert torch.equal(native.matmul(x, w), one)  # rows are independent: same bits
+    finally:
+        native.set_num_threads(n0)
+
+
+def test_missing_library_logs_one_warning_and_falls_back(tmp_path, caplog):
+    """Loaded from a folder without the .so: AVAILABLE False, a reason, one warning line, and
+    the API says so instead of crashing."""
+    import importlib.util
+    import shutil
+
+    shutil.copy(native.__file__, tmp_path / "native_probe.py")
+    spec = importlib.util.spec_from_file_location("native_probe", tmp_path / "native_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    with caplog.at_level(logging.WARNING, logger="splitmoe.kernels"):
+        spec.loader.exec_module(probe)
+    assert probe.AVAILABLE is False and "_native" in probe.UNAVAILABLE_REASON
+    lines = [r for r in caplog.records if r.name == "splitmoe.kernels"]
+    assert len(lines) == 1 and "pure-torch fallback" in lines[0].getMessage()
+    assert not probe.supports(int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        probe.matmul(torch.zeros(1, 32), qt(T.Q8_0, (1, 32), seed=0))
+
+
+def test_concurrent_callers_and_fork():
+    """Python threads calling at once (the GIL is released: one gets the pool, the others run
+    alone) get the same bits as a lone caller; a forked child (no pool threads) still works."""
+    import os
+    import threading
+    import time
+
+    w = qt(T.Q4_K, (512, 512), seed=11)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(11))
+    n0 = native.get_num_threads()
+    native.set_num_threads(2)
+    try:
+        want = native.matmul(x, w)
+        errors = []
+
+        def worker():
+            for _ in range(20):
+                if not torch.equal(native.matmul(x, w), want):
+                    errors.append("mismatch")
+
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        pid = os.fork()
+        if pid == 0:  # child: must neither hang on the parent's pool nor crash
+            ok = torch.equal(native.matmul(x, w), want)
+            os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("forked child hung")
+            time.sleep(0.01)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        native.set_num_threads(n0)
