@@ -32,26 +32,44 @@ TypeInfo type_info(int type);
 //              512-bit register of 16 such lanes covers two blocks with one aligned load.
 // Rows are padded with zero blocks to a multiple of 64 values (kpad), so 64-value kernels never
 // read past a row's end for the activations.
+//
+// The AVX-512 k-quant kernels also read a second, permuted copy (filled only by their ISA's
+// quantize, and only when k is a multiple of 256; other ISAs leave it unwritten and never read it):
+//   qp[256S + 64c + 8s + j] = q[256S + 32s + 8c + j]   (S super-block, c 0..3, s 0..7, j 0..7)
+//              i.e. each 64-byte quarter holds 8 values of every 32-block, so the four maddubs
+//              results of a super-block can be summed in int16 before one madd with the
+//              sub-block scales, and float conversion happens once per super-block;
+//   d2[16S + 2s + i] = d[8S + s]  (i 0..1): the scale of each int32 lane of such a dot;
+//   s16[i]     d[i/2] * sum(q of the 16 values 16i .. 16i+15) (Q6_K's -32 offset).
 struct Act {
     const int8_t* q;
     const float* dx;
     const float* d;
     const float* s;
+    const int8_t* qp;
+    const float* d2;
+    const float* s16;
 };
 
 inline size_t act_kpad(int k) { return (size_t(k) + 63) / 64 * 64; }
-// Bytes of one activation record (q | dx | d | s, each 64-byte aligned).
+inline size_t act_round64(size_t n) { return (n + 63) / 64 * 64; }
+// Bytes of one activation record (q | dx | d | s | qp | d2 | s16, each 64-byte aligned).
 inline size_t act_bytes(int k) {
     size_t kp = act_kpad(k);
-    return kp + kp * sizeof(float) / 4 + 2 * ((kp / 32 * sizeof(float) + 63) / 64 * 64);
+    return kp + kp * sizeof(float) / 4 + 2 * act_round64(kp / 32 * sizeof(float)) + kp +
+           2 * act_round64(kp / 16 * sizeof(float));
 }
 inline Act act_at(uint8_t* rec, int k) {
     size_t kp = act_kpad(k);
+    const size_t blk = act_round64(kp / 32 * sizeof(float)), half = act_round64(kp / 16 * sizeof(float));
     Act a;
     a.q = reinterpret_cast<const int8_t*>(rec);
     a.dx = reinterpret_cast<const float*>(rec + kp);
-    a.d = reinterpret_cast<const float*>(rec + kp + kp);
-    a.s = a.d + (kp / 32 * sizeof(float) + 63) / 64 * 64 / sizeof(float);
+    a.d = reinterpret_cast<const float*>(rec + 2 * kp);
+    a.s = reinterpret_cast<const float*>(rec + 2 * kp + blk);
+    a.qp = reinterpret_cast<const int8_t*>(rec + 2 * kp + 2 * blk);
+    a.d2 = reinterpret_cast<const float*>(rec + 3 * kp + 2 * blk);
+    a.s16 = reinterpret_cast<const float*>(rec + 3 * kp + 2 * blk + half);
     return a;
 }
 
