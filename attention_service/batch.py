@@ -27,3 +27,29 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def split(self, num_parts: int) -> list[tuple["StepBatch", slice]]:
+        """The batch cut by sequence into up to `num_parts` micro-batches of about equal tokens,
+        each with its rows of this batch; rows, logits rows and slots renumbered within each."""
+        num_parts = min(num_parts, len(self.seqs))
+        if num_parts <= 1:
+            return [(self, slice(0, self.num_tokens))]
+        cuts, share = [0], self.num_tokens / num_parts
+        for i, s in enumerate(self.seqs[:-1]):  # after sequence i, when its end is nearest the next target
+            target = share * len(cuts)
+            if len(cuts) < num_parts and abs(s.end - target) <= abs(self.seqs[i + 1].end - target):
+                cuts.append(i + 1)
+        cuts.append(len(self.seqs))
+        parts = []
+        for first, last in zip(cuts, cuts[1:]):
+            seqs = self.seqs[first:last]
+            start, end = seqs[0].start, seqs[-1].end
+            logits = self.logits_rows[(self.logits_rows >= start) & (self.logits_rows < end)] - start
+            parts.append((StepBatch(
+                token_ids=self.token_ids[start:end], positions=self.positions[start:end],
+                new_slots=self.new_slots[start:end],
+                seqs=tuple(SeqSlice(s.start - start, s.end - start, s.context_slots) for s in seqs),
+                logits_rows=logits,
+                experts_per_token=None if self.experts_per_token is None else self.experts_per_token[start:end],
+            ), slice(start, end)))
+        return parts

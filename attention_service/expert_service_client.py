@@ -1,38 +1,33 @@
-"""One expert service seen from the attention side: channel, Forward stream, transport, health.
+"""One expert service seen from the attention side: channel, link (transport), health, hop counters.
 
-The Forward stream stays open; a reader thread hands each response to the hop waiting for it,
-so the caller can wait with a deadline (a blocking gRPC iterator cannot) and can have hops to
-several services in flight at once. A dead stream marks the service unhealthy at once, even
-when idle; `revive` opens a fresh channel (never one stuck in reconnect backoff) and stream.
+The gRPC channel carries the control RPCs (DescribeShard, LoadShard, GetStats). Hops go over a
+link (attention_service/expert_transport.py): the Forward stream, or on one host the
+shared-memory doorbell. Either way several hops may be in flight, answered in order, and waited
+for with a deadline. A dead link marks the service unhealthy at once, even when idle; `revive`
+opens a fresh channel (never one stuck in reconnect backoff) and link.
 """
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
-import queue
 import socket
 import threading
 import time
-from concurrent import futures
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
+from statistics import median
 from typing import Callable
 
 import grpc
 import torch
 
 from attention_service.expert_placement import ServiceShard
-from attention_service.expert_transport import GrpcPayload, Payload, ShmPayload
+from attention_service.expert_transport import GrpcLink, HopFailed, Link, ShmLink, Ticket
 from modelfile.experts import ExpertKey
 from proto import expert_pb2, expert_pb2_grpc
-from splitmoe.telemetry import inject_grpc_metadata
 
 log = logging.getLogger(__name__)
-_END_OF_REQUESTS = object()
-
-
-class HopFailed(Exception):
-    """One request to one service got no answer (the service is then marked unhealthy)."""
+__all__ = ["HopFailed", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters"]
+OVERHEAD_WINDOW = 1024  # hops the median overhead is taken over
 
 
 class ExpertRequestError(RuntimeError):
@@ -41,13 +36,34 @@ class ExpertRequestError(RuntimeError):
 
 @dataclass(slots=True)
 class HopCounters:
-    """Per-service totals for metrics: hop latency, expert compute time and bytes moved."""
+    """Per-service totals for metrics: hop latency, expert compute, transport overhead, bytes."""
 
     num_hops: int = 0
     hop_s: float = 0.0
     compute_s: float = 0.0     # as reported by the service
+    overhead_s: float = 0.0    # see expert_transport.Reply.overhead_s
     sent_bytes: int = 0        # tensor payload written to the wire or to shared memory
     received_bytes: int = 0
+    recent_overhead_s: array = field(default_factory=lambda: array("d"))  # a ring of the last hops'
+
+    def add(self, hop_s: float, compute_s: float, overhead_s: float, sent_bytes: int, received_bytes: int) -> None:
+        if len(self.recent_overhead_s) < OVERHEAD_WINDOW:
+            self.recent_overhead_s.append(overhead_s)
+        else:
+            self.recent_overhead_s[self.num_hops % OVERHEAD_WINDOW] = overhead_s
+        self.num_hops += 1
+        self.hop_s += hop_s
+        self.compute_s += compute_s
+        self.overhead_s += overhead_s
+        self.sent_bytes += sent_bytes
+        self.received_bytes += received_bytes
+
+    def overhead_us_median(self) -> float:
+        recent = self.recent_overhead_s.tolist()
+        return median(recent) * 1e6 if recent else 0.0
+
+    def overhead_us_mean(self) -> float:
+        return self.overhead_s / self.num_hops * 1e6 if self.num_hops else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,65 +79,14 @@ def shard_from_info(address: str, info: expert_pb2.ShardInfo) -> ServiceShard:
     return ServiceShard(address, tuple(info.layers), tuple(info.experts), info.hostname, info.num_bytes)
 
 
-# ---- the stream --------------------------------------------------------------------------------
-
-class ForwardStream:
-    """An open Forward call: requests go out in order, responses come back in order."""
-
-    def __init__(self, stub: expert_pb2_grpc.ExpertServiceStub, on_end: Callable[["ForwardStream", str], None]):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: collections.deque[futures.Future] = collections.deque()
-        self._end_error: str | None = None
-        self._on_end = on_end
-        self._call = stub.Forward(iter(self._requests.get, _END_OF_REQUESTS), metadata=inject_grpc_metadata())
-        threading.Thread(target=self._read_responses, name="expert-stream-reader", daemon=True).start()
-
-    def submit(self, request: expert_pb2.ExpertRequest) -> futures.Future:
-        """A future of (response, arrival time in perf_counter seconds)."""
-        future: futures.Future = futures.Future()
-        self._pending.append(future)
-        if self._end_error is not None:  # the reader may have drained before our append
-            _fail(future, self._end_error)
-        else:
-            self._requests.put(request)
-        return future
-
-    def close(self) -> None:
-        self._requests.put(_END_OF_REQUESTS)
-        self._call.cancel()
-
-    def _read_responses(self) -> None:
-        try:
-            for response in self._call:
-                self._pending.popleft().set_result((response, time.perf_counter()))
-            error = "the service ended the stream"
-        except grpc.RpcError as e:
-            error = f"{e.code().name}: {e.details()}"
-        except IndexError:
-            error = "the service answered a request that was never sent"
-        self._end_error = error  # set before draining: see submit
-        while self._pending:
-            _fail(self._pending.popleft(), error)
-        self._on_end(self, error)
-
-
-def _fail(future: futures.Future, error: str) -> None:
-    if not future.done():
-        try:
-            future.set_exception(HopFailed(error))
-        except futures.InvalidStateError:
-            pass  # the other side of the race failed it first
-
-
 # ---- one service -------------------------------------------------------------------------------
 
 @dataclass(slots=True)
 class Hop:
-    stream: ForwardStream | None
-    future: futures.Future | None
-    payload: Payload | None
-    step_id: int
-    sent_s: float
+    link: Link | None
+    ticket: Ticket | None
+    layer: int
+    sent_s: float        # perf_counter when submitted: the deadline counts from here
     sent_bytes: int
     error: str = ""
 
@@ -132,12 +97,15 @@ class _Connection:
 
     channel: grpc.Channel
     stub: expert_pb2_grpc.ExpertServiceStub
-    stream: ForwardStream | None = None
-    payload: Payload | None = None
+    link: Link | None = None
 
 
 class ExpertServiceClient:
-    """The attention side's connection to one expert service address."""
+    """The attention side's connection to one expert service address.
+
+    Not thread-safe on the data path: one thread at a time submits and waits (RemoteExperts'
+    lock); the reconnect thread and the links' watchers only ever replace or close a link.
+    """
 
     def __init__(self, address: str, settings: ConnectionSettings):
         self.address = address
@@ -149,13 +117,12 @@ class ExpertServiceClient:
         self.counters = HopCounters()
         self.last_attempt_s = float("-inf")  # last reconnect attempt, or the failure that made it unhealthy
         self._lock = threading.Lock()
-        self._step_ids = itertools.count(1)
         self._conn = self._new_connection()
 
     @property
     def transport(self) -> str:
-        payload = self._conn.payload
-        return payload.name if payload is not None and self.healthy else ""
+        link = self._conn.link
+        return link.name if link is not None and self.healthy else ""
 
     # ---- control RPCs ---------------------------------------------------------------------------
 
@@ -178,10 +145,10 @@ class ExpertServiceClient:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def open_stream(self, shard: ServiceShard) -> None:
-        """Rely on `shard`: open the Forward stream over the chosen transport and handshake."""
+        """Rely on `shard`: open a link over the chosen transport and handshake."""
         self.shard = shard
         with self._lock:
-            self._open_stream_locked()
+            self._open_link_locked()
 
     def revive(self) -> bool:
         """Reconnect a service marked unhealthy (a fresh channel; LoadShard again if it came back empty).
@@ -197,7 +164,7 @@ class ExpertServiceClient:
             self._replace_connection()
             try:
                 self._restore_shard()
-                self._open_stream_locked()
+                self._open_link_locked()
             except (grpc.RpcError, HopFailed, OSError, ValueError) as e:
                 self.last_error = _one_line(e)
                 return False
@@ -206,79 +173,61 @@ class ExpertServiceClient:
         log.info("expert service %s is back (%s)", self.address, self.transport)
         return True
 
-    def mark_unhealthy(self, stream: ForwardStream | None, error: str) -> None:
-        """The stream failed: drop it (only if it is still the current one) and report why."""
-        if stream is not None and stream is not self._conn.stream:
+    def mark_unhealthy(self, link: Link | None, error: str) -> None:
+        """The link failed: drop it (only if it is still the current one) and report why."""
+        if link is not None and link is not self._conn.link:
             return  # checked before locking too: a revive in progress must not stall the data path
         with self._lock:
-            if stream is not None and stream is not self._conn.stream:
-                return  # a stale stream's news; the service was revived since
+            if link is not None and link is not self._conn.link:
+                return  # a stale link's news; the service was revived since
             if self.healthy:
                 log.warning("expert service %s unhealthy: %s", self.address, error)
                 self.last_attempt_s = time.monotonic()  # the data path retries it after reconnect_interval_s
             self.healthy, self.last_error = False, error
-            self._close_stream_locked()
+            self._close_link_locked()
 
     def close(self) -> None:
         with self._lock:
             self.healthy, self.last_error = False, "closed"
-            self._close_stream_locked()
+            self._close_link_locked()
             self._conn.channel.close()
 
     # ---- the data path --------------------------------------------------------------------------
 
     def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None,
                expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> Hop:
-        """Send one layer's part without waiting: hops to several services overlap."""
-        conn = self._conn
-        step_id = next(self._step_ids)
-        if conn.stream is None:
-            return Hop(None, None, None, step_id, time.perf_counter(), 0, error=self.last_error)
-        request = expert_pb2.ExpertRequest(step_id=step_id, layer=layer)
-        request.trace_context.update(inject_grpc_metadata())
-        try:
-            sent_bytes = conn.payload.fill(request, hidden, rows, expert_ids, expert_weights)
-        except (OSError, ValueError) as e:  # e.g. /dev/shm full: this hop fails over like any other
-            return Hop(conn.stream, None, None, step_id, time.perf_counter(), 0, error=_one_line(e))
+        """Send one layer's part without waiting: hops to several services, and several hops to
+        one service (up to proto.doorbell.NUM_SLOTS), overlap."""
+        link = self._conn.link
         sent_s = time.perf_counter()
-        return Hop(conn.stream, conn.stream.submit(request), conn.payload, step_id, sent_s, sent_bytes)
+        if link is None:
+            return Hop(None, None, layer, sent_s, 0, error=self.last_error)
+        try:
+            ticket, sent_bytes = link.submit(layer, hidden, rows, expert_ids, expert_weights)
+        except (OSError, ValueError) as e:  # e.g. /dev/shm full, a dead socket: fails over like any other
+            return Hop(link, None, layer, sent_s, 0, error=_one_line(e))
+        return Hop(link, ticket, layer, sent_s, sent_bytes)
 
     def wait(self, hop: Hop) -> torch.Tensor:
-        """The hop's output [rows, D].
+        """The hop's output [rows, D]; a view valid until this service's next submit.
 
         HopFailed (no answer: the service is marked unhealthy) or ExpertRequestError (it answered
-        with an error: it stays healthy, the stream stays open).
+        with an error: it stays healthy, the link stays open).
         """
         try:
-            response, arrived_s = self._response(hop)
+            if hop.ticket is None:
+                raise HopFailed(hop.error)
+            timeout_s = self.settings.expert_timeout_s
+            reply = hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
         except HopFailed as e:
-            self.mark_unhealthy(hop.stream, str(e))
+            self.mark_unhealthy(hop.link, str(e))
             raise
-        if response.error:
-            raise ExpertRequestError(f"expert service {self.address} rejected layer {response.layer}: {response.error}")
-        out = hop.payload.output(response)
-        self._count(hop, arrived_s, response.compute_s, out.numel() * out.element_size())
+        hop_s = time.perf_counter() - hop.sent_s
+        if reply.error:
+            raise ExpertRequestError(f"expert service {self.address} rejected layer {hop.layer}: {reply.error}")
+        out = reply.output
+        self.counters.add(hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, out.nbytes)
         return out
-
-    def _response(self, hop: Hop) -> tuple[expert_pb2.ExpertResponse, float]:
-        if hop.future is None:
-            raise HopFailed(hop.error)
-        remaining_s = hop.sent_s + self.settings.expert_timeout_s - time.perf_counter()
-        try:
-            response, arrived_s = hop.future.result(timeout=max(remaining_s, 0.0))
-        except futures.TimeoutError:
-            raise HopFailed(f"no answer within expert_timeout_s={self.settings.expert_timeout_s}") from None
-        if response.step_id != hop.step_id:
-            raise HopFailed(f"answer to request {response.step_id} while waiting for {hop.step_id}")
-        return response, arrived_s
-
-    def _count(self, hop: Hop, arrived_s: float, compute_s: float, received_bytes: int) -> None:
-        c = self.counters
-        c.num_hops += 1
-        c.hop_s += arrived_s - hop.sent_s
-        c.compute_s += compute_s
-        c.sent_bytes += hop.sent_bytes
-        c.received_bytes += received_bytes
 
     # ---- internals (called with self._lock held) ------------------------------------------------
 
@@ -293,7 +242,7 @@ class ExpertServiceClient:
         return _Connection(channel, expert_pb2_grpc.ExpertServiceStub(channel))
 
     def _replace_connection(self) -> None:
-        self._close_stream_locked()
+        self._close_link_locked()
         self._conn.channel.close()
         self._conn = self._new_connection()
 
@@ -304,53 +253,64 @@ class ExpertServiceClient:
         if (reported.layers, reported.experts) != (self.shard.layers, self.shard.experts):
             raise ValueError(f"came back hosting {reported.label()}, expected {self.shard.label()}")
 
-    def _open_stream_locked(self) -> None:
-        self._close_stream_locked()
-        for payload in self._payload_choices():
-            error = self._try_stream(payload)
+    def _open_link_locked(self) -> None:
+        self._close_link_locked()
+        error = ""
+        for name, open_link in self._link_choices():
+            error = self._try_link(open_link)
             if not error:
                 self.healthy, self.last_error = True, ""
                 return
-            log.info("expert service %s: %s transport failed (%s)", self.address, payload.name, error)
+            log.info("expert service %s: %s transport failed (%s)", self.address, name, error)
         raise HopFailed(error)
 
-    def _payload_choices(self) -> list[Payload]:
+    def _link_choices(self) -> list[tuple[str, Callable[[], Link]]]:
         wanted = self.settings.transport
         same_host = self.shard.hostname == socket.gethostname()
-        if wanted == "shm" or (wanted == "auto" and same_host):
-            # auto falls back to bytes when the peer cannot map our region (another container)
-            return [ShmPayload(self.settings.shm_initial_bytes)] + ([GrpcPayload()] if wanted == "auto" else [])
-        return [GrpcPayload()]
+        doorbell = self.info.doorbell if self.info is not None else ""
+        grpc_link = ("grpc", lambda: GrpcLink(self._conn.stub, self._link_ended))
+        if wanted == "shm" or (wanted == "auto" and same_host and doorbell):
+            # auto falls back to gRPC when the doorbell or our regions are out of the peer's reach
+            # (another container: another network namespace or /dev/shm)
+            shm_link = ("shm", lambda: self._shm_link(doorbell))
+            return [shm_link] + ([grpc_link] if wanted == "auto" else [])
+        return [grpc_link]
 
-    def _try_stream(self, payload: Payload) -> str:
-        """'' when a handshake (a zero-token request) went through this transport, else why not."""
-        conn = self._conn
-        conn.stream, conn.payload = ForwardStream(conn.stub, self._stream_ended), payload
+    def _shm_link(self, doorbell: str) -> ShmLink:
+        if not doorbell:
+            raise HopFailed("the service offers no shared-memory doorbell")
+        return ShmLink(doorbell, self.settings.shm_initial_bytes, self.settings.connect_timeout_s,
+                       self.settings.expert_timeout_s, self._link_ended)
+
+    def _try_link(self, open_link: Callable[[], Link]) -> str:
+        """'' when a link opened and a handshake (a zero-token hop) went through it, else why not."""
+        try:
+            self._conn.link = open_link()
+        except (HopFailed, OSError) as e:
+            return _one_line(e)
         empty = torch.empty(0, max(self.info.hidden_size, 1))
         routing = torch.empty(0, 1, dtype=torch.int32)
         hop = self.submit(self.shard.layers[0] if self.shard.layers else 0, empty, None, routing, routing.float())
         try:
-            self._response_ok(hop)
+            if hop.ticket is None:
+                raise HopFailed(hop.error)
+            reply = hop.link.wait(hop.ticket, hop.sent_s + self.settings.expert_timeout_s,
+                                  self.settings.expert_timeout_s)
+            if reply.error:
+                raise HopFailed(reply.error)
             return ""
         except HopFailed as e:
-            self._close_stream_locked()
+            self._close_link_locked()
             return str(e)
 
-    def _response_ok(self, hop: Hop) -> None:
-        response, _ = self._response(hop)
-        if response.error:
-            raise HopFailed(response.error)
+    def _link_ended(self, link: Link, error: str) -> None:
+        self.mark_unhealthy(link, error)
 
-    def _stream_ended(self, stream: ForwardStream, error: str) -> None:
-        self.mark_unhealthy(stream, error)
-
-    def _close_stream_locked(self) -> None:
+    def _close_link_locked(self) -> None:
         conn = self._conn
-        if conn.stream is not None:
-            conn.stream.close()
-        if conn.payload is not None:
-            conn.payload.close()
-        conn.stream, conn.payload = None, None
+        if conn.link is not None:
+            conn.link.close()
+        conn.link = None
 
 
 def _one_line(e: Exception) -> str:

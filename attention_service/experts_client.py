@@ -2,12 +2,17 @@
 
 Every backend computes `kernels.moe`'s interface for one layer. `InProcessExperts` runs the
 shard here; `RemoteExperts` splits the layer's tokens by expert service (placement), sends each
-service its part over a persistent stream (gRPC bytes, or shared memory on one host), and sums
+service its part over a persistent link (gRPC bytes, or shared memory on one host), and sums
 the parts in float32. A dead service's part is retried on a replica; with none left the call
 raises `ExpertsUnavailable` instead of hanging.
+
+`submit` is the asynchronous form: it sends and returns a handle whose `wait()` gives what
+`forward` would have. Two layer calls may be in flight at once (the transformer's two
+micro-batches: attention of one runs while the experts of the other do).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -22,20 +27,32 @@ from attention_service.expert_placement import (ExpertsUnavailable, Placement, S
                                                 format_keys)
 from attention_service.expert_split import OwnerTable, ServicePart, add_part, split_by_service, unfinished_work
 from attention_service.expert_service_client import (ConnectionSettings, ExpertRequestError, ExpertServiceClient,
-                                                     HopFailed)
+                                                     Hop, HopFailed)
 from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
 from modelfile.gguf_file import GGUFFile
 
-__all__ = ["ExpertBackend", "InProcessExperts", "RemoteExperts", "RemoteExpertsSettings", "ExpertsUnavailable",
-           "ExpertRequestError", "ServiceHealth", "HopStats"]
+__all__ = ["ExpertBackend", "ExpertsHandle", "Ready", "InProcessExperts", "RemoteExperts", "RemoteExpertsSettings",
+           "ExpertsUnavailable", "ExpertRequestError", "ServiceHealth", "HopStats"]
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "grpc", "shm")
+
+
+class ExpertsHandle(Protocol):
+    def wait(self) -> torch.Tensor:
+        """The submitted layer call's summed expert output [T, D] (or its error, raised)."""
+        ...
 
 
 class ExpertBackend(Protocol):
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                 expert_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, D], expert_ids [T, K], expert_weights [T, K] -> summed expert output [T, D]."""
+        ...
+
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> ExpertsHandle:
+        """`forward`, started. The inputs must stay unchanged until `wait()` returns (a part that
+        failed is sent again, to a replica). Up to two submitted calls may be unwaited."""
         ...
 
     def health(self) -> dict[str, "ServiceHealth"]:
@@ -52,8 +69,20 @@ class ExpertBackend(Protocol):
         ...
 
 
+class Ready:
+    """A handle whose result is already there: backends that compute on the caller's thread."""
+
+    __slots__ = ("_out",)
+
+    def __init__(self, out: torch.Tensor):
+        self._out = out
+
+    def wait(self) -> torch.Tensor:
+        return self._out
+
+
 class InProcessExperts:
-    """All routed experts of the file, computed in this process."""
+    """All routed experts of the file, computed in this process (eagerly: nothing to overlap)."""
 
     def __init__(self, g: GGUFFile):
         self.shard = ExpertShard(g)
@@ -66,6 +95,10 @@ class InProcessExperts:
         counts += torch.bincount(ids[ids >= 0], minlength=counts.numel())  # -1: a dropped slot
         out = self.shard.forward(layer, hidden.cpu(), ids, expert_weights.cpu())
         return out.to(hidden.device)
+
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> Ready:
+        return Ready(self.forward(layer, hidden, expert_ids, expert_weights))
 
     def health(self) -> dict[str, "ServiceHealth"]:
         return {}
@@ -125,10 +158,15 @@ class HopStats:
     compute_s_total: float   # time inside the service's expert kernels
     sent_bytes: int
     received_bytes: int
+    overhead_us_median: float = 0.0  # per hop, over the last 1024: round trip minus compute (and queueing)
+    overhead_us_mean: float = 0.0    # per hop, since start
+    transport: str = ""              # "grpc" | "shm" | "" while disconnected
 
 
 class RemoteExperts:
     """Routed experts computed by expert services; see the module docstring."""
+
+    max_in_flight = 2  # layer calls submitted and not yet waited for (proto.doorbell.NUM_SLOTS)
 
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings):
         self.settings = settings
@@ -137,8 +175,9 @@ class RemoteExperts:
         self._local = ExpertShard(g, layers=sorted(self._local_layers)) if self._local_layers else None
         self._clients = [ExpertServiceClient(a, settings.connection()) for a in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
-        # One layer call at a time: each connection has one request in flight (and one shm arena).
-        self._layer_lock = threading.Lock()
+        # The data path, one thread at a time: every connection's hops are answered in order.
+        self._lock = threading.Lock()
+        self._in_flight: collections.deque[_LayerCall] = collections.deque()
         self._stop = threading.Event()
         try:
             remote_layers = [layer for layer in all_layers if layer not in self._local_layers]
@@ -154,23 +193,21 @@ class RemoteExperts:
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                 expert_weights: torch.Tensor) -> torch.Tensor:
         """The layer's summed expert output [T, D], float32, on hidden's device."""
-        if layer in self._local_layers:
-            return self._local.forward(layer, hidden.cpu(), expert_ids.cpu(), expert_weights.cpu()).to(hidden.device)
-        with self._layer_lock:
-            return self._forward_remote(layer, hidden, expert_ids, expert_weights)
+        return self.submit(layer, hidden, expert_ids, expert_weights).wait()
 
-    def _forward_remote(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                        expert_weights: torch.Tensor) -> torch.Tensor:
-        x, weights = hidden.detach().cpu(), expert_weights.detach().cpu().float()
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        work = expert_ids.cpu()
-        # Each failed round marks a service unhealthy, so this ends; the bound stops flapping services.
-        for _ in range(len(self._clients) + 1):
-            failed = self._exchange(layer, x, weights, self._plan(layer, work), out)
-            if not failed:
-                return out.to(hidden.device)
-            work = unfinished_work(work.shape, failed)
-        raise ExpertsUnavailable(f"layer {layer}: expert services kept failing: {self._describe_failures()}")
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> "ExpertsHandle":
+        """Send the layer's parts now; the handle's `wait()` collects them (see ExpertBackend)."""
+        if layer in self._local_layers:
+            return Ready(self._local.forward(layer, hidden.cpu(), expert_ids.cpu(),
+                                             expert_weights.cpu()).to(hidden.device))
+        with self._lock:
+            while len(self._in_flight) >= self.max_in_flight:
+                self._in_flight[0].collect_locked()  # a third call: the oldest must finish first
+            call = _LayerCall(self, layer, hidden, expert_ids, expert_weights)
+            self._in_flight.append(call)
+            call.send_locked(expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu())
+        return call
 
     # ---- what the attention service publishes ----------------------------------------------------
 
@@ -178,8 +215,12 @@ class RemoteExperts:
         return {c.address: ServiceHealth(c.healthy, c.shard, c.transport, c.last_error) for c in self._clients}
 
     def stats(self) -> dict[str, HopStats]:
+        # Unlocked: a hop may hold the data path for up to expert_timeout_s; a torn read of the
+        # counters is off by one hop at most.
         return {c.address: HopStats(c.counters.num_hops, c.counters.hop_s, c.counters.compute_s,
-                                    c.counters.sent_bytes, c.counters.received_bytes) for c in self._clients}
+                                    c.counters.sent_bytes, c.counters.received_bytes,
+                                    c.counters.overhead_us_median(), c.counters.overhead_us_mean(), c.transport)
+                for c in self._clients}
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
         """Tokens each (layer, expert) computed, summed over the healthy services (GetStats)."""
@@ -217,31 +258,12 @@ class RemoteExperts:
             raise self._unavailable(layer, orphans)
         return parts
 
-    def _exchange(self, layer: int, x: torch.Tensor, weights: torch.Tensor, parts: list[ServicePart],
-                  out: torch.Tensor) -> list[ServicePart]:
-        """Send every part, then collect them all into `out`; returns the parts that got no answer.
-
-        Every hop is waited for before an error is raised: a service still working on an
-        abandoned request would otherwise share its shared-memory slots with the next one.
-        """
-        hops = [self._clients[p.service].submit(layer, x, p.rows, p.expert_ids, weights) for p in parts]
-        failed, rejected = [], []
-        for part, hop in zip(parts, hops):
-            try:
-                add_part(out, part.rows, self._clients[part.service].wait(hop))
-            except HopFailed:
-                failed.append(part)
-            except ExpertRequestError as e:
-                rejected.append(e)
-        if rejected:
-            raise rejected[0]
-        return failed
-
     def _owners(self, layer: int) -> OwnerTable:
         healthy = tuple(c.healthy for c in self._clients)
         table = self._owner_tables.get((layer, healthy))
         if table is None:  # once per layer and health state: a handful per run
-            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(self.placement.owners(layer, healthy), len(self._clients))
+            owners = self.placement.owners(layer, healthy)
+            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(owners, len(self._clients))
         return table
 
     def _revive_for(self, layer: int, orphans: torch.Tensor) -> bool:
@@ -269,6 +291,99 @@ class RemoteExperts:
             for client in self._clients:
                 if not client.healthy and not self._stop.is_set():
                     client.revive()
+
+
+class _LayerCall:
+    """One submitted layer call: its parts in flight, then its result (or error)."""
+
+    def __init__(self, backend: RemoteExperts, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                 expert_weights: torch.Tensor):
+        self._backend, self._layer, self._device = backend, layer, hidden.device
+        # (each torch call costs microseconds: only the conversions needed)
+        self._hidden = hidden.detach() if hidden.requires_grad else hidden
+        weights = expert_weights.detach() if expert_weights.requires_grad else expert_weights
+        self._weights = weights if weights.dtype == torch.float32 else weights.float()
+        self._shape = expert_ids.shape
+        self._parts: list[ServicePart] = []
+        self._hops: list[Hop] = []
+        self._rounds = 0
+        self._out: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._collected = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._collected:
+            with self._backend._lock:
+                if not self._collected:
+                    self.collect_locked()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+    def send_locked(self, work: torch.Tensor) -> None:
+        """Plan `work` (a routing table, -1: not wanted) by service and submit every part; an
+        error is kept for `collect_locked`, which first waits for whatever was sent."""
+        b = self._backend
+        self._rounds += 1
+        self._parts, self._hops = [], []
+        try:
+            parts = b._plan(self._layer, work)
+            hidden = self._hidden
+            if hidden.device.type != "cpu" and any(p.rows is not None for p in parts):
+                hidden = self._hidden = hidden.cpu()  # rows are gathered on the CPU
+            weights = self._weights if self._weights.device.type == "cpu" else self._weights.cpu()
+            for part in parts:
+                self._hops.append(b._clients[part.service].submit(self._layer, hidden, part.rows, part.expert_ids,
+                                                                  weights))
+                self._parts.append(part)
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self._error = e
+
+    def collect_locked(self) -> None:
+        """Wait for every part (retrying failed ones on replicas) and sum them; keeps the error.
+
+        Every hop is waited for before an error is kept: a service still working on an abandoned
+        request would otherwise share its shared-memory slot with the next one.
+        """
+        b = self._backend
+        b._in_flight.remove(self)
+        self._collected = True
+        out = None  # float32 [T, D], made by the first part that arrives
+        try:
+            while True:
+                failed, rejected = [], []
+                for part, hop in zip(self._parts, self._hops):
+                    try:
+                        out = self._accumulate(out, part.rows, b._clients[part.service].wait(hop))
+                    except HopFailed:
+                        failed.append(part)
+                    except ExpertRequestError as e:
+                        rejected.append(e)
+                self._parts, self._hops = [], []
+                if self._error is not None:
+                    raise self._error
+                if rejected:
+                    raise rejected[0]
+                if not failed:
+                    if out is None:  # nothing was routed anywhere
+                        out = torch.zeros(self._hidden.shape, dtype=torch.float32)
+                    self._out = out if self._device.type == "cpu" else out.to(self._device)
+                    return
+                if self._rounds > len(b._clients):  # each failed round marks a service unhealthy
+                    raise ExpertsUnavailable(f"layer {self._layer}: expert services kept failing: "
+                                             f"{b._describe_failures()}")
+                self.send_locked(unfinished_work(self._shape, failed))
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self._error = e
+
+    def _accumulate(self, out: torch.Tensor | None, rows: torch.Tensor | None, part_out: torch.Tensor) -> torch.Tensor:
+        """out[rows] += part_out; the first part of every row is copied out of the hop's buffer."""
+        if out is None:
+            if rows is None:
+                return part_out.to(torch.float32, copy=True)
+            out = torch.zeros(self._hidden.shape, dtype=torch.float32)
+        add_part(out, rows, part_out)
+        return out
 
 
 # ---- startup --------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ class RunnerOptions:
     kv_cache_tokens: int = 4096
     kv_block_tokens: int = 16
     experts_per_token: int = 0  # 0: the model's own; else every request's default (fewer is faster)
+    # 1: a step runs as one batch; 2: a step of several sequences is cut in two by sequence and
+    # pipelined, attention of one half overlapping the (remote) experts of the other
+    micro_batches: int = 1
 
 
 def default_device() -> torch.device:
@@ -69,7 +72,7 @@ class ModelRunner:
             check_experts_per_token(options.experts_per_token, cfg)
             cfg = dataclasses.replace(cfg, num_experts_used=options.experts_per_token)
         weights = load_weights(g, spec, cfg, options.dtype, options.device)
-        model = MoETransformer(cfg, spec, weights, experts or InProcessExperts(g))
+        model = MoETransformer(cfg, spec, weights, experts or InProcessExperts(g), options.micro_batches)
         return cls(g, cfg, model, options)
 
     def step(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None,

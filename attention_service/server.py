@@ -178,7 +178,9 @@ def _add_expert_stats(stats: pb.AttentionStats, model: ServingModel) -> None:
         h = hops.get(address)
         stats.hops.add(expert_address=address, healthy=health.healthy, num_hops=h.num_hops if h else 0,
                        hop_s_total=h.hop_s_total if h else 0.0, compute_s_total=h.compute_s_total if h else 0.0,
-                       bytes_total=(h.sent_bytes + h.received_bytes) if h else 0)
+                       bytes_total=(h.sent_bytes + h.received_bytes) if h else 0,
+                       overhead_us_median=h.overhead_us_median if h else 0.0,
+                       overhead_us_mean=h.overhead_us_mean if h else 0.0, transport=health.transport)
     for key, tokens in sorted(model.experts.expert_token_counts().items()):
         stats.expert_tokens.add(layer=key.layer, expert=key.expert, tokens=tokens)
 

@@ -93,7 +93,8 @@ class ServingModel:
 def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | None = None) -> ServingModel:
     device = torch.device(settings.device) if settings.device else default_device()
     options = RunnerOptions(dtype=DTYPES[settings.dtype], device=device, kv_cache_tokens=settings.kv_cache_tokens,
-                            kv_block_tokens=settings.kv_block_tokens, experts_per_token=settings.experts_per_token)
+                            kv_block_tokens=settings.kv_block_tokens, experts_per_token=settings.experts_per_token,
+                            micro_batches=settings.micro_batches)
     g = GGUFFile(settings.model_path)
     runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,

@@ -24,6 +24,9 @@ class AttentionSettings:
     experts_per_token: int = 0  # 0: the model's own; fewer trades quality for speed (KTransformers)
     otlp_endpoint: str = ""
     reasoning_format: str = "auto"  # auto: chat replies carry reasoning apart | none: inline, in the content
+    # 2: each step of several sequences runs as two pipelined halves, attention of one overlapping
+    # the remote experts of the other; pays only where halving a batch halves its cost (see README)
+    micro_batches: int = 1
 
     def __post_init__(self):
         if self.transport not in ("auto", "grpc", "shm"):
@@ -32,5 +35,7 @@ class AttentionSettings:
             raise ValueError(f"reasoning_format must be auto or none, not {self.reasoning_format!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype!r}")
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, not {self.micro_batches}")
         if self.max_batch_tokens < 1 or self.max_running_seqs < 1:
             raise ValueError("max_batch_tokens and max_running_seqs must be >= 1")

@@ -3,13 +3,22 @@
 Per layer: RMSNorm -> attention over the paged KV cache -> residual -> RMSNorm -> FFN -> residual,
 where the FFN is either dense SwiGLU or MoE (router here, routed experts through the
 ExpertBackend once per layer, shared expert here).
+
+Micro-batches (MegaScale-Infer's ping-pong): with `micro_batches=2` a step of several sequences
+is cut in two by sequence, and the layers interleave so that the attention of one micro-batch
+runs while the routed experts of the other are computed remotely:
+
+    attn(mb0, L) submit(mb0, L) | attn(mb1, L) submit(mb1, L) | wait(mb0, L) attn(mb0, L+1) ...
+
+Every row sees the same operations in the same order as unsplit; only the batch sizes of the
+matrix products change (see test_micro_batches for what that means for the last bits).
 """
 from __future__ import annotations
 
 import torch
 
 from attention_service.batch import StepBatch
-from attention_service.experts_client import ExpertBackend
+from attention_service.experts_client import ExpertBackend, ExpertsHandle
 from attention_service.kv_cache import KVCache
 from attention_service.layers import linear, rms_norm, swiglu
 from attention_service.models.base import ArchSpec
@@ -18,11 +27,30 @@ from attention_service.weights import LayerWeights, ModelWeights
 from modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
 
 
+class _PendingFFN:
+    """A MoE FFN whose routed experts are still being computed: `finish()` adds the shared part."""
+
+    __slots__ = ("_handle", "_shared", "_value")
+
+    def __init__(self, handle: ExpertsHandle | None, shared: torch.Tensor | None, value: torch.Tensor | None = None):
+        self._handle, self._shared, self._value = handle, shared, value
+
+    def finish(self) -> torch.Tensor:
+        if self._handle is None:
+            return self._value
+        out = self._handle.wait().float()
+        return out if self._shared is None else out + self._shared
+
+
 class MoETransformer:
-    def __init__(self, cfg: ModelConfig, spec: ArchSpec, weights: ModelWeights, experts: ExpertBackend):
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, weights: ModelWeights, experts: ExpertBackend,
+                 micro_batches: int = 1):
         self.cfg, self.spec, self.weights, self.experts = cfg, spec, weights, experts
         self.attention = spec.attention(cfg, spec, weights.token_embedding.device)
         self.dtype = weights.token_embedding.dtype
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, not {micro_batches}")
+        self.micro_batches = micro_batches
 
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.attention.kv_entry_shapes()
@@ -34,31 +62,75 @@ class MoETransformer:
         # The residual stream stays float32 whatever the weights' dtype: in bfloat16 its rounding
         # is what flips near-tied routing decisions.
         x = w.token_embedding[batch.token_ids].float()
-        for i, layer in enumerate(w.layers):
-            x = x + self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
-            x = x + self._ffn(i, layer, rms_norm(x, layer.ffn_norm, eps), batch)
+        per_token = batch.experts_per_token
+        top_k = self.cfg.num_experts_used if per_token is None else int(per_token.max())  # of the whole step
+        parts = batch.split(self.micro_batches) if self.micro_batches > 1 else []
+        if len(parts) > 1:
+            x = self._pipelined(x, parts, kv, top_k)
+        else:
+            for i, layer in enumerate(w.layers):
+                x = x + self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
+                x = x + self._ffn(i, layer, rms_norm(x, layer.ffn_norm, eps), batch, top_k)
         x = rms_norm(x[batch.logits_rows], w.output_norm, eps).to(self.dtype)
         return linear(x, w.output).float()
 
-    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def _pipelined(self, x: torch.Tensor, parts: list[tuple[StepBatch, slice]], kv: KVCache,
+                   top_k: int) -> torch.Tensor:
+        """The layers over micro-batches in turn: a micro-batch's FFN is finished (its experts
+        waited for) only when its next attention needs it, after the other's attention ran."""
+        w, eps = self.weights, self.cfg.norm_eps
+        xs = [x[rows] for _, rows in parts]
+        pending: list[_PendingFFN | None] = [None] * len(parts)
+        for i, layer in enumerate(w.layers):
+            for m, (mb, _) in enumerate(parts):
+                if pending[m] is not None:
+                    xs[m] = xs[m] + pending[m].finish()
+                h = rms_norm(xs[m], layer.attn_norm, eps).to(self.dtype)
+                xs[m] = xs[m] + self.attention(i, layer.attn, h, mb, kv)
+                pending[m] = self._start_ffn(i, layer, rms_norm(xs[m], layer.ffn_norm, eps), mb, top_k)
+        for m in range(len(parts)):
+            xs[m] = xs[m] + pending[m].finish()
+        return torch.cat(xs)
+
+    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int) -> torch.Tensor:
         """h32: the normed input in float32; the router and gates read it before rounding."""
         h = h32.to(self.dtype)
         if layer.moe is None:
             f = layer.dense_ffn
             return swiglu(h, f.gate, f.up, f.down)
+        ids, weights = self._route(layer, h32, batch, top_k)
+        out = self.experts.forward(i, h, ids, weights).float()
+        shared = self._shared(layer, h, h32)
+        return out if shared is None else out + shared
+
+    def _start_ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch,
+                   top_k: int) -> _PendingFFN:
+        """`_ffn` with the routed experts submitted, not waited for; the shared expert runs meanwhile."""
+        h = h32.to(self.dtype)
+        if layer.moe is None:
+            f = layer.dense_ffn
+            return _PendingFFN(None, None, swiglu(h, f.gate, f.up, f.down))
+        ids, weights = self._route(layer, h32, batch, top_k)
+        handle = self.experts.submit(i, h, ids, weights)
+        return _PendingFFN(handle, self._shared(layer, h, h32))
+
+    def _route(self, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch,
+               top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         w, c = layer.moe, self.cfg
         per_token = batch.experts_per_token
-        top_k = c.num_experts_used if per_token is None else int(per_token.max())
         ids, weights = route(linear(h32, w.router, w.router_bias), top_k, c.expert_gating,
                              c.expert_weights_norm, c.expert_weights_scale, selection_bias=w.selection_bias,
                              num_groups=c.num_expert_groups, num_groups_used=c.num_expert_groups_used)
         if per_token is not None:
             renormalized = c.expert_weights_norm or c.expert_gating == GATING_SOFTMAX_WEIGHT
             ids, weights = limit_experts(ids, weights, per_token, renormalized)
-        out = self.experts.forward(i, h, ids, weights).float()
-        if w.shared is not None:
-            shared = swiglu(h, w.shared.gate, w.shared.up, w.shared.down).float()
-            if w.shared_gate is not None:
-                shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
-            out = out + shared
-        return out
+        return ids, weights
+
+    def _shared(self, layer: LayerWeights, h: torch.Tensor, h32: torch.Tensor) -> torch.Tensor | None:
+        w = layer.moe
+        if w.shared is None:
+            return None
+        shared = swiglu(h, w.shared.gate, w.shared.up, w.shared.down).float()
+        if w.shared_gate is not None:
+            shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
+        return shared

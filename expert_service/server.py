@@ -2,13 +2,16 @@
 
 Forward is one long-lived bidirectional stream per attention connection: one request per MoE
 layer per step, answered in order. A bad request is answered in-band (`error`), so one
-malformed message never tears down the stream the next layer needs.
+malformed message never tears down the stream the next layer needs. Attention services on the
+same host use the shared-memory doorbell instead (expert_service/doorbell.py), advertised in
+ShardInfo: the same hops without a gRPC message each.
 """
 from __future__ import annotations
 
 import logging
 import socket
 import threading
+import time
 from concurrent import futures
 from typing import Iterator
 
@@ -17,6 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
+from expert_service.doorbell import DoorbellServer
 from expert_service.settings import ExpertServiceSettings
 from expert_service.shard import HostedShard, ShardDescription
 from modelfile.experts import format_ranges
@@ -30,12 +34,20 @@ SERVICE_NAME = "splitmoe.v1.ExpertService"
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, hosted: HostedShard):
+    def __init__(self, hosted: HostedShard, doorbell: str = ""):
         self.hosted = hosted
+        self.doorbell = doorbell  # the doorbell's address, advertised in ShardInfo
         self._hostname = socket.gethostname()
         self._file_id = hosted.g.file_id
         self._num_busy = 0  # requests being computed, for the shutdown drain
         self._idle = threading.Condition()
+
+    def busy(self, delta: int) -> None:
+        """+1 when a request starts computing, -1 when it is done."""
+        with self._idle:
+            self._num_busy += delta
+            if not self._num_busy:
+                self._idle.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until no request is being computed (streams may stay open), or the timeout."""
@@ -70,14 +82,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             mappings.close()
 
     def _answer(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings, stream_context) -> expert_pb2.ExpertResponse:
-        with self._idle:
-            self._num_busy += 1
+        self.busy(1)
         try:
             return self._answer_traced(request, mappings, stream_context)
         finally:
-            with self._idle:
-                self._num_busy -= 1
-                self._idle.notify_all()
+            self.busy(-1)
 
     def _answer_traced(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings,
                        stream_context) -> expert_pb2.ExpertResponse:
@@ -116,7 +125,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return expert_pb2.ShardInfo(
             model_name=str(g.get("general.name", g.path.stem)), arch=g.arch, file_id=self._file_id,
             layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
-            num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads())
+            num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads(),
+            doorbell=self.doorbell)
 
 
 def _write_output(slot: torch.Tensor, out: torch.Tensor) -> None:
@@ -138,6 +148,9 @@ class ExpertServer:
     def __init__(self, settings: ExpertServiceSettings, hosted: HostedShard):
         self.settings = settings
         self.servicer = ExpertServicer(hosted)
+        self.doorbell = DoorbellServer(hosted) if settings.doorbell else None
+        if self.doorbell is not None:
+            self.servicer.doorbell = self.doorbell.address
         self.health = health.HealthServicer()
         options = [("grpc.max_send_message_length", settings.max_message_bytes),
                    ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -153,6 +166,8 @@ class ExpertServer:
         if port == 0:
             raise OSError(f"expert service: cannot listen on {self.settings.address}")
         self._server.start()
+        if self.doorbell is not None:
+            self.doorbell.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return port
@@ -162,5 +177,11 @@ class ExpertServer:
         close the idle streams at once, so their clients fail over instead of waiting out the grace."""
         self.health.enter_graceful_shutdown()
         self._server.stop(self.settings.shutdown_grace_s)  # refuses new calls from now on
+        if self.doorbell is not None:
+            self.doorbell.stop_accepting()
+        deadline_s = time.monotonic() + self.settings.shutdown_grace_s
         self.servicer.wait_idle(self.settings.shutdown_grace_s)
+        if self.doorbell is not None:
+            self.doorbell.wait_idle(max(deadline_s - time.monotonic(), 0.0))
+            self.doorbell.close_connections()
         self._server.stop(0).wait()

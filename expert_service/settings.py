@@ -20,6 +20,7 @@ class ExpertServiceSettings:
     max_message_bytes: int = 1 << 30       # 1 GiB: a long prefill's hidden states in one message
     shutdown_grace_s: float = 5.0
     otlp_endpoint: str = ""                 # OTLP collector for spans; empty: none exported
+    doorbell: bool = True                   # offer co-located clients the shared-memory doorbell
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -171,20 +171,26 @@ class AttentionStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HopStats(_message.Message):
-    __slots__ = ("expert_address", "num_hops", "hop_s_total", "compute_s_total", "bytes_total", "healthy")
+    __slots__ = ("expert_address", "num_hops", "hop_s_total", "compute_s_total", "bytes_total", "healthy", "overhead_us_median", "overhead_us_mean", "transport")
     EXPERT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOPS_FIELD_NUMBER: _ClassVar[int]
     HOP_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_US_MEDIAN_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_US_MEAN_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     expert_address: str
     num_hops: int
     hop_s_total: float
     compute_s_total: float
     bytes_total: int
     healthy: bool
-    def __init__(self, expert_address: _Optional[str] = ..., num_hops: _Optional[int] = ..., hop_s_total: _Optional[float] = ..., compute_s_total: _Optional[float] = ..., bytes_total: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+    overhead_us_median: float
+    overhead_us_mean: float
+    transport: str
+    def __init__(self, expert_address: _Optional[str] = ..., num_hops: _Optional[int] = ..., hop_s_total: _Optional[float] = ..., compute_s_total: _Optional[float] = ..., bytes_total: _Optional[int] = ..., healthy: _Optional[bool] = ..., overhead_us_median: _Optional[float] = ..., overhead_us_mean: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ExpertTokenCount(_message.Message):
     __slots__ = ("layer", "expert", "tokens")

@@ -20,7 +20,7 @@ class LoadShardRequest(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "file_id", "layers", "experts", "hidden_size", "num_bytes", "hostname", "num_threads")
+    __slots__ = ("model_name", "arch", "file_id", "layers", "experts", "hidden_size", "num_bytes", "hostname", "num_threads", "doorbell")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FILE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class ShardInfo(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     file_id: str
@@ -39,7 +40,8 @@ class ShardInfo(_message.Message):
     num_bytes: int
     hostname: str
     num_threads: int
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    doorbell: str
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
     __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "output_shm", "trace_context")

@@ -1,9 +1,11 @@
-"""Shared memory between co-located services: the tensors live here, gRPC only rings the bell.
+"""Shared memory between co-located services: the tensors live here, a small message rings the bell.
 
-The attention side creates one region per expert connection (`ShmArena`) and lays each request's
-tensors out in it; the expert service maps the region by name (`ShmMappings`) and writes its
-output into the slot the request names. Regions are files in /dev/shm: the creator unlinks its
-file on close (or at interpreter exit), so nothing is left behind even if the peer never unmaps.
+`ShmRegion` is one mapped file in /dev/shm, viewed as tensors at byte offsets without copying.
+The attention service's fast path (proto/doorbell.py) keeps one region per hop slot and rings
+over a Unix socket. A gRPC `Tensor` may refer to shared memory too (`Tensor.shm`): a client lays
+a request out with `ShmArena` and the expert service maps the regions by name (`ShmMappings`).
+The creator unlinks its file on close (or at interpreter exit), so nothing is left behind even
+if the peer never unmaps.
 """
 from __future__ import annotations
 
@@ -102,9 +104,9 @@ def _unlink(path: Path) -> None:
 
 
 class ShmArena:
-    """The attention side's region for one connection: a bump allocator reset per request.
+    """A region for requests sent one at a time: a bump allocator reset per request.
 
-    One request is in flight per connection, so every request reuses the region from offset 0.
+    Every request reuses the region from offset 0.
     A request that does not fit gets a larger region (the old one is unlinked; the peer maps the
     new name on its next request).
     """

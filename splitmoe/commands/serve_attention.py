@@ -31,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
                    help="auto: chat replies return the model's reasoning apart from the content (harmony or "
                         "<think> tags, found in the vocabulary); none: reasoning stays inline in the content")
+    p.add_argument("--micro-batches", type=int, choices=[1, 2], default=1,
+                   help="2: cut each step of several sequences in two and pipeline the halves, so that attention "
+                        "of one overlaps the remote experts of the other (MegaScale-Infer's ping-pong); pays where "
+                        "halving a batch halves its cost on both sides (large batches), costs where decode is "
+                        "bound by weight reads (small batches read every weight twice)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.set_defaults(run=run)
 
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting, expert_services=args.expert_services,
         local_expert_layers=args.local_experts, transport=args.transport,
         expert_timeout_s=args.expert_timeout_s, experts_per_token=args.experts_per_token,
-        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format)
+        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format, micro_batches=args.micro_batches)
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus", type=_cpu_list, help="pin the process to these CPUs, e.g. 0-7,16-23")
     p.add_argument("--unassigned", action="store_true",
                    help="start with no experts; the attention service assigns a shard with LoadShard")
+    p.add_argument("--no-doorbell", dest="doorbell", action="store_false",
+                   help="no shared-memory fast path: attention services on this host use gRPC too")
     p.set_defaults(run=cmd_serve_experts)
 
 
@@ -48,7 +50,8 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
 
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
-        unassigned=args.unassigned, num_threads=args.threads, cpus=args.cpus, otlp_endpoint=otlp_endpoint())
+        unassigned=args.unassigned, num_threads=args.threads, cpus=args.cpus, otlp_endpoint=otlp_endpoint(),
+        doorbell=args.doorbell)
     return serve_experts(settings)
 
 

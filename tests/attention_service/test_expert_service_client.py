@@ -31,9 +31,10 @@ def services(demo_gguf, tmp_path_factory):
         s.stop_all()
 
 
-@pytest.fixture
-def backend(services, demo_gguf):
-    settings = RemoteExpertsSettings((services.address("low"), services.address("high")), **FAST)
+@pytest.fixture(params=["grpc", "shm"])
+def backend(services, demo_gguf, request):
+    settings = RemoteExpertsSettings((services.address("low"), services.address("high")), transport=request.param,
+                                     **FAST)
     with RemoteExperts(GGUFFile(demo_gguf), settings) as b:
         yield b
 
@@ -69,6 +70,10 @@ def test_bad_request_is_answered_in_band_and_the_stream_keeps_working(backend):
     assert all(h.healthy for h in backend.health().values())
     assert torch.equal(backend.forward(0, hidden, ids, weights), good)
     assert {s.num_hops for s in backend.stats().values()} == {2}  # the same streams: nothing reconnected
+    bad, fine = backend.submit(0, torch.randn(6, 65), ids, weights), backend.submit(0, hidden, ids, weights)
+    with pytest.raises(ExpertRequestError, match="hidden"):  # two in flight: only the bad one fails
+        bad.wait()
+    assert torch.equal(fine.wait(), good)
 
 
 def test_hung_service_hits_the_deadline_then_recovers(services, backend):
@@ -91,6 +96,10 @@ def test_killed_service_fails_fast_others_keep_serving_and_a_restart_is_picked_u
     expected = backend.forward(1, hidden, ids, weights)
     assert backend.health()[high].shard.experts == (4, 5, 6, 7)
     services.kill("high")
+    deadline_s = time.monotonic() + 2
+    while backend.health()[high].healthy and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    assert not backend.health()[high].healthy  # noticed while idle: no hop needed
     start_s = time.monotonic()
     with pytest.raises(ExpertsUnavailable) as e:
         backend.forward(1, hidden, ids, weights)

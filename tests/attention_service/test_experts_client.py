@@ -5,11 +5,13 @@ the llama.cpp qwen2moe fixture when present). Then placement: only routed rows a
 counts, local layers, services started empty, startup errors, and a replica killed mid-request.
 One service's deadlines and reconnects are in test_expert_service_client.py.
 """
+import dataclasses
 import os
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +19,10 @@ import torch
 from attention_service.experts_client import (ExpertsUnavailable, InProcessExperts,
                                               RemoteExperts, RemoteExpertsSettings, resolve_addresses)
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from attention_service.server import _add_expert_stats
 from modelfile.experts import ExpertKey
 from modelfile.gguf_file import GGUFFile
+from proto import attention_pb2
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import free_port
 
@@ -82,11 +86,17 @@ def test_same_logits_in_process_and_remote(services, demo_gguf, transport):
         got = logits(demo_gguf, backend)
         health = backend.health()
         stats = backend.stats()
+        published = attention_pb2.AttentionStats()
+        _add_expert_stats(published, SimpleNamespace(experts=backend))  # what GetStats answers
     assert (got - expected).abs().max() <= 1e-5
+    assert {(h.transport, h.num_hops) for h in published.hops} == {("grpc" if transport == "grpc" else "shm", 2)}
+    assert all(h.overhead_us_median > 0 and h.overhead_us_mean > 0 for h in published.hops)
     assert {h.transport for h in health.values()} == {"grpc" if transport == "grpc" else "shm"}
     for s in stats.values():  # one hop per MoE layer per step per service, plus nothing else
         assert s.num_hops == 2 and s.sent_bytes > 0 and s.received_bytes > 0
         assert s.hop_s_total >= s.compute_s_total > 0
+        assert s.hop_s_total * 1e6 >= s.overhead_us_mean * s.num_hops > 0 and s.overhead_us_median > 0
+        assert s.transport == ("grpc" if transport == "grpc" else "shm")
     assert no_regions_left()
 
 
@@ -109,6 +119,34 @@ def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_gguf):
         got = backend.forward(1, hidden.bfloat16(), ids, weights)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_two_layer_calls_in_flight_give_what_forward_gives(services, demo_gguf, transport):
+    g = GGUFFile(demo_gguf)
+    calls = [(layer, *routing(n, seed=seed)) for layer, n, seed in ((0, 5, 1), (1, 3, 2), (1, 7, 3))]
+    calls[1][2][0] = torch.tensor([0, 1])  # the low service alone for one token: rows are gathered
+    with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
+        expected = [backend.forward(*call) for call in calls]
+        first, second = backend.submit(*calls[0]), backend.submit(*calls[1])
+        assert torch.equal(second.wait(), expected[1]) and torch.equal(first.wait(), expected[0])  # out of order
+        handles = [backend.submit(*call) for call in calls]  # a third call collects the oldest first
+        assert all(torch.equal(h.wait(), e) for h, e in zip(handles, expected))
+        assert {s.num_hops for s in backend.stats().values()} == {8}  # every call needs both services
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_micro_batched_steps_against_real_services(services, demo_gguf, transport):
+    g = GGUFFile(demo_gguf)
+    prompts = [PROMPT[:5], PROMPT[5:8], PROMPT[8:], PROMPT[2:4]]
+    reference = ModelRunner.from_gguf(demo_gguf, OPTIONS, experts=InProcessExperts(g))
+    expected = reference.step([Sequence(i, list(p)) for i, p in enumerate(prompts)], all_logits=True)
+    with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
+        runner = ModelRunner.from_gguf(demo_gguf, dataclasses.replace(OPTIONS, micro_batches=2), experts=backend)
+        got = runner.step([Sequence(i, list(p)) for i, p in enumerate(prompts)], all_logits=True)
+        hops = {s.num_hops for s in backend.stats().values()}
+    assert (got - expected).abs().max() <= 1e-5
+    assert hops == {4}  # 2 MoE layers x 2 micro-batches
 
 
 def test_only_routed_rows_are_sent(services, demo_gguf):

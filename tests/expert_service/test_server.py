@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modelfile.experts import ExpertKey, ExpertShard
 from modelfile.gguf_file import GGUFFile
-from proto import codec, expert_pb2, expert_pb2_grpc
-from proto.shm import ShmArena
+from proto import codec, doorbell, expert_pb2, expert_pb2_grpc
+from proto.shm import ShmArena, ShmRegion
 from tests.support.processes import free_port, grpc_service, spawn, wait_grpc_serving
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -137,6 +137,92 @@ def test_forward_through_shared_memory(service, demo_gguf):
     finally:
         stream.close()
         arena.close()
+
+
+class Doorbell:
+    """A hand-driven doorbell connection: one shared-memory slot, raw headers."""
+
+    def __init__(self, address: str):
+        self.sock = doorbell.new_socket()
+        self.sock.settimeout(30)
+        self.sock.connect(doorbell.socket_address(address))
+        self.region = ShmRegion.create(1 << 16)
+        self.announced = False
+        self.seq = 0
+
+    def hello(self, version=doorbell.VERSION) -> tuple[int, bytes]:
+        self.sock.send(doorbell.HELLO.pack(doorbell.KIND_HELLO, version, doorbell.MAGIC))
+        answer = self.sock.recv(4096)
+        return doorbell.REPLY.unpack_from(answer)[1], answer[doorbell.REPLY.size:]
+
+    def ask(self, layer, hidden, ids, weights, slot=0):
+        """(status, error, output view, compute ns) of one hop through slot 0's region."""
+        (num_tokens, hidden_size), top_k = hidden.shape, ids.shape[1]
+        layout = doorbell.slot_layout(num_tokens, top_k, hidden_size, hidden.dtype)
+        self.region.view(layout.hidden, tuple(hidden.shape), hidden.dtype).copy_(hidden)
+        self.region.view(layout.expert_ids, tuple(ids.shape), torch.int32).copy_(ids)
+        self.region.view(layout.expert_weights, tuple(ids.shape), torch.float32).copy_(weights)
+        name = b"" if self.announced else self.region.name.encode()
+        self.announced = True
+        self.seq += 1
+        self.sock.send(doorbell.REQUEST.pack(doorbell.KIND_FORWARD, codec.proto_dtype(hidden.dtype), slot, layer,
+                                             num_tokens, top_k, hidden_size, self.seq, len(name), 0) + name)
+        answer = self.sock.recv(4096)
+        kind, status, seq, start_ns, end_ns, compute_ns = doorbell.REPLY.unpack_from(answer)
+        assert (kind, seq) == (doorbell.KIND_FORWARD, self.seq) and start_ns <= end_ns
+        output = self.region.view(layout.output, tuple(hidden.shape), hidden.dtype)
+        return status, answer[doorbell.REPLY.size:].decode(), output, compute_ns
+
+    def close(self):
+        self.sock.close()
+        self.region.close()
+
+
+def test_forward_through_the_doorbell(service, demo_gguf):
+    info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert info.doorbell.startswith("@splitmoe-experts-")
+    reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
+    bell = Doorbell(info.doorbell)
+    try:
+        assert bell.hello() == (doorbell.STATUS_OK, b"")
+        for layer in (0, 1):
+            hidden, ids, weights = routing(5, seed=layer)
+            status, error, output, compute_ns = bell.ask(layer, hidden, ids, weights)
+            assert (status, error) == (doorbell.STATUS_OK, "") and compute_ns > 0
+            assert torch.equal(output, reference.forward(layer, hidden, ids, weights))
+        hidden, ids, weights = routing(3)
+        status, error, _, _ = bell.ask(0, torch.randn(3, HIDDEN + 1), ids, weights)  # in-band, the link lives
+        assert status == doorbell.STATUS_ERROR and "hidden" in error
+        status, error, _, _ = bell.ask(0, hidden, ids, weights, slot=doorbell.NUM_SLOTS)
+        assert status == doorbell.STATUS_ERROR and "slot" in error
+        status, _, output, _ = bell.ask(1, hidden, ids, weights)
+        assert status == doorbell.STATUS_OK and torch.equal(output, reference.forward(1, hidden, ids, weights))
+        bell.sock.send(b"not a header")  # a protocol error: the service hangs up
+        assert bell.sock.recv(4096) == b""
+    finally:
+        bell.close()
+
+
+def test_doorbell_refuses_another_version_and_can_be_turned_off(service, demo_gguf):
+    bell = Doorbell(service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).doorbell)
+    try:
+        status, error = bell.hello(version=doorbell.VERSION + 1)
+        assert status == doorbell.STATUS_ERROR and b"version" in error
+    finally:
+        bell.close()
+
+    from expert_service.server import ExpertServer
+    from expert_service.settings import ExpertServiceSettings
+    from expert_service.shard import HostedShard
+
+    server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0, doorbell=False), HostedShard(GGUFFile(demo_gguf)))
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = expert_pb2_grpc.ExpertServiceStub(channel).DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+        assert info.doorbell == "" and info.layers
+    finally:
+        server.stop()
 
 
 def test_unassigned_service_loads_a_shard_and_counts_its_tokens(unassigned):

@@ -1,0 +1,225 @@
+"""The expert service's end of the co-located fast path (proto/doorbell.py).
+
+A listener on a Unix SOCK_SEQPACKET socket in the abstract namespace (nothing on disk; gone with
+the process) and one thread per attention connection. Each connection names up to
+`NUM_SLOTS` shared-memory regions; a request's tensors are views of its slot (no copy, no
+allocation beyond a few cached tensor views), `HostedShard.forward` computes, and the output is
+copied into the slot's output area before the reply header goes back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import torch
+from opentelemetry import propagate, trace
+
+from expert_service.shard import HostedShard
+from proto import codec, doorbell
+from proto.shm import ShmRegion
+from splitmoe.telemetry import tracer
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+_MAX_CACHED_VIEWS = 64
+
+
+class DoorbellServer:
+    """Accepts doorbell connections and answers their hops, until closed."""
+
+    def __init__(self, hosted: HostedShard):
+        self._hosted = hosted
+        self.address = f"@splitmoe-experts-{os.getpid()}-{secrets.token_hex(6)}"
+        self._listener = doorbell.new_socket()
+        self._listener.bind(doorbell.socket_address(self.address))
+        self._listener.listen(64)
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept_loop, name="expert-doorbell", daemon=True).start()
+
+    def stop_accepting(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept (EINVAL)
+        except OSError:
+            pass
+        self._listener.close()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until no hop is being computed (connections may stay open), or the timeout."""
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                busy = any(c.computing for c in self._connections.values())
+            if not busy:
+                return True
+            if time.monotonic() >= deadline_s:
+                return False
+            time.sleep(0.005)  # shutdown only: a flag per hop is cheaper than a condition
+
+    def close_connections(self) -> None:
+        """Hang up on every client: each fails its hops over at once instead of timing out."""
+        self.stop_accepting()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            connection = _Connection(conn, self._hosted)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections[conn] = connection
+            threading.Thread(target=self._serve, args=(connection,), name="expert-doorbell-conn", daemon=True).start()
+
+    def _serve(self, connection: "_Connection") -> None:
+        try:
+            connection.run()
+        except OSError as e:  # the client went away mid-reply
+            log.debug("doorbell connection ended: %s", e)
+        except _ProtocolError as e:
+            log.warning("doorbell connection dropped: %s", e)
+        finally:
+            connection.close()
+            with self._lock:
+                self._connections.pop(connection.socket, None)
+
+
+class _ProtocolError(Exception):
+    pass
+
+
+class _Connection:
+    def __init__(self, conn: socket.socket, hosted: HostedShard):
+        self.socket = self._conn = conn
+        self._hosted = hosted
+        self.computing = False  # for the shutdown drain
+        self._regions: list[ShmRegion | None] = [None] * doorbell.NUM_SLOTS
+        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._received = bytearray(doorbell.MAX_MESSAGE_BYTES)
+        self._reply = bytearray(doorbell.MAX_MESSAGE_BYTES)
+
+    def run(self) -> None:
+        conn, received = self._conn, self._received
+        self._hello()
+        while True:
+            length = conn.recv_into(received)
+            if length == 0:
+                return  # the client hung up
+            start_ns = time.monotonic_ns()
+            if length < doorbell.REQUEST.size or received[0] != doorbell.KIND_FORWARD:
+                raise _ProtocolError(f"a {length}-byte message that is not a hop request")
+            (_, dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
+             name_length, trace_length) = doorbell.REQUEST.unpack_from(received)
+            status, compute_ns, error = doorbell.STATUS_OK, 0, b""
+            try:
+                if name_length:
+                    self._map(slot, received[doorbell.REQUEST.size:doorbell.REQUEST.size + name_length])
+                traceparent = received[doorbell.REQUEST.size + name_length:
+                                       doorbell.REQUEST.size + name_length + trace_length] if trace_length else None
+                compute_ns = self._forward_traced(traceparent, slot, layer, num_tokens, top_k, hidden_size, dtype)
+            # Whatever one request does wrong, the connection must survive for the next layer.
+            except Exception as e:  # noqa: BLE001
+                log.warning("forward layer %d: %s", layer, e)
+                status = doorbell.STATUS_ERROR
+                error = f"{type(e).__name__}: {e}".encode()[:len(self._reply) - doorbell.REPLY.size]
+            doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD, status, seq, start_ns,
+                                     time.monotonic_ns(), compute_ns)
+            size = doorbell.REPLY.size
+            if error:
+                self._reply[size:size + len(error)] = error
+                size += len(error)
+            conn.send(memoryview(self._reply)[:size])
+
+    def close(self) -> None:
+        self._views.clear()
+        for region in self._regions:
+            if region is not None:
+                region.close()
+        self._conn.close()
+
+    def _hello(self) -> None:
+        length = self._conn.recv_into(self._received)
+        if length < doorbell.HELLO.size:
+            raise _ProtocolError("no handshake")
+        kind, version, magic = doorbell.HELLO.unpack_from(self._received)
+        if kind != doorbell.KIND_HELLO or magic != doorbell.MAGIC:
+            raise _ProtocolError("not a SplitMoE doorbell handshake")
+        ok = version == doorbell.VERSION
+        error = b"" if ok else f"doorbell version {version}: this service speaks {doorbell.VERSION}".encode()
+        self._conn.send(doorbell.REPLY.pack(doorbell.KIND_HELLO, doorbell.STATUS_OK if ok else doorbell.STATUS_ERROR,
+                                            doorbell.VERSION, 0, 0, 0) + error)
+        if not ok:
+            raise _ProtocolError(error.decode())
+
+    def _map(self, slot: int, name: bytearray) -> None:
+        self._check_slot(slot)
+        region = ShmRegion.attach(name.decode(errors="replace"))
+        old, self._regions[slot] = self._regions[slot], region
+        self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+        if old is not None:
+            old.close()
+
+    def _forward_traced(self, traceparent: bytearray | None, *hop) -> int:
+        if traceparent is None:
+            return self._forward(*hop)
+        parent = propagate.extract({"traceparent": traceparent.decode(errors="replace")})
+        if not trace.get_current_span(parent).get_span_context().is_valid:
+            return self._forward(*hop)
+        with _tracer.start_as_current_span("expert.forward", context=parent, attributes={"splitmoe.layer": hop[1]}):
+            return self._forward(*hop)
+
+    def _forward(self, slot: int, layer: int, num_tokens: int, top_k: int, hidden_size: int, wire_dtype: int) -> int:
+        """Compute one hop in place; returns the expert compute time in ns."""
+        key = (slot, num_tokens, top_k, hidden_size, wire_dtype)
+        views = self._views.get(key)
+        if views is None:
+            views = self._new_views(*key)
+        hidden, expert_ids, expert_weights, output = views
+        self.computing = True
+        try:
+            out, compute_s = self._hosted.forward(layer, hidden, expert_ids, expert_weights)
+            if out.shape != output.shape:
+                raise ValueError(f"the shard returned {list(out.shape)} for {list(output.shape)}")
+            output.copy_(out)
+        finally:
+            self.computing = False
+        return int(compute_s * 1e9)
+
+    def _new_views(self, slot: int, num_tokens: int, top_k: int, hidden_size: int,
+                   wire_dtype: int) -> tuple[torch.Tensor, ...]:
+        self._check_slot(slot)
+        region = self._regions[slot]
+        if region is None:
+            raise ValueError(f"slot {slot} has no shared-memory region yet")
+        dtype = codec.torch_dtype(wire_dtype)
+        layout = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype)
+        views = (region.view(layout.hidden, (num_tokens, hidden_size), dtype),
+                 region.view(layout.expert_ids, (num_tokens, top_k), torch.int32),
+                 region.view(layout.expert_weights, (num_tokens, top_k), torch.float32),
+                 region.view(layout.output, (num_tokens, hidden_size), dtype))
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        self._views[(slot, num_tokens, top_k, hidden_size, wire_dtype)] = views
+        return views
+
+    @staticmethod
+    def _check_slot(slot: int) -> None:
+        if slot >= doorbell.NUM_SLOTS:
+            raise ValueError(f"slot {slot}: a connection has {doorbell.NUM_SLOTS}")
