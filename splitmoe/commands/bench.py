@@ -1,11 +1,17 @@
-"""`splitmoe bench make-model`: write a GGUF of a real MoE shape with random weights, for benchmarks.
+"""`splitmoe bench`: benchmark tooling.
 
-Reproducible (the same seed gives the same bytes) and made without llama.cpp; only the first
-`--layers` layers of the real model, in a llama.cpp quantization mix.
+`make-model` writes a GGUF of a real MoE shape with random weights: reproducible (the same seed
+gives the same bytes) and made without llama.cpp; only the first `--layers` layers of the real
+model, in a llama.cpp quantization mix.
+
+`run` measures prefill, time to first token, single-stream and concurrent decode and the per-hop
+overhead through the real services, the same engine in-process, and optionally llama.cpp on the
+same file and threads (`--baseline llama.cpp`, the `bench` extra); see bench/run.py.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +26,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--vocab", type=int, default=0, help="override the shape's vocabulary size (small test files)")
     m.set_defaults(run=run_make_model)
 
+    r = bench_sub.add_parser("run", help="measure the services, in-process and (optionally) llama.cpp on one file")
+    r.add_argument("--model", required=True, help="the GGUF file (e.g. from `splitmoe bench make-model`)")
+    r.add_argument("--threads", type=int, default=0, metavar="T",
+                   help="CPU threads (default: the CPUs this process may use): the expert services split T, the "
+                        "attention service gets T (the two sides take turns); in-process and llama.cpp use T")
+    r.add_argument("--json", default="", metavar="OUT", help="also write every figure to this JSON file")
+    r.add_argument("--baseline", default="none", choices=["none", "llama.cpp"],
+                   help="llama.cpp: run the peer on the same file and threads (needs `pip install 'splitmoe[bench]'`)")
+    r.add_argument("--prompt-tokens", type=int, default=512, help="prefill / time-to-first-token prompt length")
+    r.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per stream")
+    r.add_argument("--streams", type=int, default=16, help="concurrent streams of the aggregate decode")
+    r.add_argument("--stream-prompt-tokens", type=int, default=16, help="each concurrent stream's prompt length")
+    r.add_argument("--seed", type=int, default=0, help="picks the prompts' token ids")
+    r.add_argument("--expert-services", type=int, default=2, metavar="N", help="expert service processes (0: "
+                   "the attention service computes the experts itself)")
+    r.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"],
+                   help="the attention service's transport to its expert services")
+    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the attention side's dtype (float32 is the exact reference path)")
+    r.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
+                   help="OMP_WAIT_POLICY of the service processes: PASSIVE (default) puts waiting OpenMP threads to "
+                        "sleep, so the side that waits leaves the cores to the side that computes")
+    r.add_argument("--no-inprocess", dest="inprocess", action="store_false", help="skip the in-process run")
+    r.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer of the memory-bandwidth measurement")
+    r.add_argument("--run-dir", default="", help="where the services' logs go (default: a new directory under "
+                                                 "~/.cache/splitmoe/runs/)")
+    r.set_defaults(run=run_bench)
+
 
 def run_make_model(args: argparse.Namespace) -> int:
     import time
@@ -31,4 +65,38 @@ def run_make_model(args: argparse.Namespace) -> int:
     size = path.stat().st_size
     print(f"{path}: {args.shape}, {args.layers} layers, {args.quant}, seed {args.seed}: "
           f"{size / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from bench.report import context_lines, table
+    from bench.run import BenchSettings, run_bench as bench, write_json
+    from bench.workload import Workload
+    from splitmoe.commands.up import usable_cpus
+    from splitmoe.supervisor import ServiceFailed
+
+    workload = Workload(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, streams=args.streams,
+                        stream_prompt_tokens=args.stream_prompt_tokens, seed=args.seed)
+    settings = BenchSettings(
+        model_path=args.model, threads=args.threads or usable_cpus(), workload=workload, baseline=args.baseline,
+        expert_services=args.expert_services, transport=args.transport, dtype=args.dtype,
+        omp_wait_policy="" if args.omp_wait_policy == "default" else args.omp_wait_policy,
+        inprocess=args.inprocess, bandwidth_mb=args.bandwidth_mb, run_dir=args.run_dir)
+    try:
+        figures = bench(settings, say=lambda line: print(line, flush=True))
+    except (ServiceFailed, RuntimeError) as e:  # a service, the in-process engine or the llama.cpp child failed
+        print(f"splitmoe bench run: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("splitmoe bench run: interrupted", file=sys.stderr)
+        return 130
+    print()
+    print(table(figures))
+    print()
+    for line in context_lines(figures):
+        print(line)
+    print(f"command: {figures['command']}  ({figures['wall_s']:.0f} s)")
+    if args.json:
+        write_json(figures, args.json)
+        print(f"figures: {args.json}")
     return 0

@@ -1,0 +1,180 @@
+"""`splitmoe bench run`: SplitMoE through its real services, the same engine in-process, and
+optionally llama.cpp on the same file and threads, with the memory-bandwidth ceilings of decode.
+
+Order: the bandwidth (nothing else running), the services (this process only drives them), the
+in-process engine (the services are gone), then llama.cpp in a child process. Each engine warms
+up on its own prompt first, so every one is measured with the file in the page cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from bench.workload import Workload, make_prompts, normal_token_ids
+
+BASELINES = ("none", "llama.cpp")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    model_path: str
+    threads: int
+    workload: Workload = Workload()
+    baseline: str = "none"             # "llama.cpp": also run the peer
+    expert_services: int = 2
+    transport: str = "auto"
+    dtype: str = "bfloat16"            # the attention side's (float32 is the exact reference path)
+    omp_wait_policy: str = "PASSIVE"   # for the service processes; "" leaves OpenMP's default
+    inprocess: bool = True
+    bandwidth_mb: int = 1024
+    run_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.baseline not in BASELINES:
+            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
+        if self.expert_services < 0:
+            raise ValueError(f"--expert-services must be >= 0, got {self.expert_services}")
+        if self.bandwidth_mb < 16:
+            raise ValueError(f"--bandwidth-mb must be >= 16, got {self.bandwidth_mb}")
+
+
+def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> dict:
+    """Every figure, as the JSON that `--json` writes; see report.table for the printed form."""
+    from bench.ceiling import ExpertBytes, ceiling_tok_s, dense_bytes_per_token, read_bandwidth_gb_s
+    from bench.services import ServicesOptions, run_services
+    from modelfile.gguf_file import GGUFFile
+    from splitmoe.commands.up import _make_run_dir
+
+    started = time.perf_counter()
+    s, w = settings, settings.workload
+    if not Path(s.model_path).is_file():
+        raise ValueError(f"{s.model_path}: no such file")
+    if s.baseline == "llama.cpp":
+        from bench.llamacpp import PACKAGE, available
+
+        if not available():  # before minutes of measuring, not after
+            raise ValueError(f"--baseline llama.cpp needs the {PACKAGE} package: pip install 'splitmoe[bench]'")
+    run_dir = _make_run_dir(s.run_dir or "")
+    say(f"splitmoe bench run: {Path(s.model_path).name}, {s.threads} threads; logs in {run_dir}/")
+    g = GGUFFile(s.model_path)
+    vocab = len(g.get("tokenizer.ggml.tokens", [])) or int(g.arch_require("vocab_size"))
+    prompts = make_prompts(w, normal_token_ids(g.get("tokenizer.ggml.token_type"), vocab))
+    expert_bytes = ExpertBytes.of(g)
+
+    say(f"  memory read bandwidth ({s.threads} threads, {s.bandwidth_mb} MB buffer)")
+    bandwidth = read_bandwidth_gb_s(s.threads, s.bandwidth_mb)
+    wall = {"bandwidth": time.perf_counter() - started}  # seconds per phase, each from the end of the one before
+
+    def lap(name: str) -> None:
+        wall[name] = time.perf_counter() - started - sum(v for k, v in wall.items() if k != "services_startup")
+
+    say(f"  services: attention + {s.expert_services} expert services")
+    services = run_services(s.model_path, w, prompts, ServicesOptions(
+        threads=s.threads, expert_services=s.expert_services, transport=s.transport, dtype=s.dtype,
+        omp_wait_policy=s.omp_wait_policy), run_dir, say)
+    m = services.measured
+    say(_summary(m, w) + (f", per hop {services.hop_us:.0f} µs" if services.hop_us else ""))
+    lap("services")
+    wall["services_startup"] = services.startup_s  # part of "services"
+    detail = {"services": asdict(m), "wall_s": wall}
+    figures: dict = {"prefill_tok_s": m.prefill_tok_s, "decode_tok_s": m.decode_tok_s,
+                     "decode16_tok_s": m.decode16_tok_s, "ttft_s": m.ttft_s, "hop_us": services.hop_us,
+                     "hop_us_method": services.hop_method}
+
+    touched, touched_source = None, "uniform-routing estimate"
+    if s.inprocess:
+        from bench.inprocess import run_inprocess
+
+        say("  in-process: the same engine, experts in this process")
+        inproc = run_inprocess(g, w, prompts, s.threads, s.dtype, expert_bytes, say)
+        lap("inprocess")
+        im = inproc.measured
+        say(_summary(im, w))
+        detail["inprocess"] = asdict(im)
+        figures |= {"inprocess_prefill_tok_s": im.prefill_tok_s, "inprocess_decode_tok_s": im.decode_tok_s,
+                    "inprocess_decode16_tok_s": im.decode16_tok_s, "inprocess_ttft_s": im.ttft_s}
+        if inproc.touched_expert_bytes_per_step is not None:
+            touched, touched_source = inproc.touched_expert_bytes_per_step, "counted in the in-process run"
+    if touched is None:
+        touched = expert_bytes.uniform_estimate_per_step(w.streams)
+
+    if s.baseline == "llama.cpp":
+        from bench.llamacpp import run_baseline
+
+        say("  llama.cpp: the same file, threads and workload")
+        base = run_baseline(s.model_path, w, prompts, s.threads, run_dir / "llamacpp.log")
+        lap("llamacpp")
+        say(_summary(base, w))
+        figures |= {"llamacpp_prefill_tok_s": base.prefill_tok_s, "llamacpp_decode_tok_s": base.decode_tok_s,
+                    "llamacpp_decode16_tok_s": base.decode16_tok_s, "llamacpp_ttft_s": base.ttft_s,
+                    "llamacpp_version": base.version}
+
+    dense = dense_bytes_per_token(g)
+    figures |= {
+        "ceiling_decode_tok_s": ceiling_tok_s(bandwidth, expert_bytes.per_token, 1),
+        "ceiling_decode16_tok_s": ceiling_tok_s(bandwidth, touched, w.streams),
+        # context: the same, were every other weight (as stored in the file) read once per step too
+        "ceiling_all_weights_decode_tok_s": ceiling_tok_s(bandwidth, expert_bytes.per_token + dense, 1),
+        "ceiling_all_weights_decode16_tok_s": ceiling_tok_s(bandwidth, touched + dense, w.streams),
+        "model": str(Path(s.model_path).resolve()), "threads": s.threads, "attention_threads": s.threads,
+        "expert_services": s.expert_services, "expert_threads": services.expert_threads, "dtype": s.dtype,
+        "transport": services.transport, "omp_wait_policy": s.omp_wait_policy or "default",
+        "bandwidth_gb_s": bandwidth, "expert_bytes_per_token": expert_bytes.per_token,
+        "touched_expert_bytes_per_step16": touched, "touched_expert_bytes_source": touched_source,
+        "dense_bytes_per_token": dense, "native_isa": native_isa(),
+        "workload": asdict(w), "detail": detail, "run_dir": str(run_dir), "command": command_line(s),
+        "wall_s": time.perf_counter() - started,
+    }
+    from bench.report import add_ratios
+
+    add_ratios(figures)
+    return figures
+
+
+def _summary(m, w: Workload) -> str:
+    return (f"    prefill {m.prefill_tok_s:.1f} tok/s, first token {m.ttft_s:.3f} s, "
+            f"decode {m.decode_tok_s:.2f} tok/s, {w.streams} streams {m.decode16_tok_s:.2f} tok/s")
+
+
+def command_line(s: BenchSettings) -> str:
+    """The command that repeats this run (the defaults left out)."""
+    d, w, dw = BenchSettings(s.model_path, s.threads), s.workload, Workload()
+    args = ["splitmoe", "bench", "run", "--model", s.model_path, "--threads", str(s.threads)]
+    for flag, value, default in [
+            ("--baseline", s.baseline, d.baseline), ("--expert-services", s.expert_services, d.expert_services),
+            ("--transport", s.transport, d.transport), ("--dtype", s.dtype, d.dtype),
+            ("--omp-wait-policy", s.omp_wait_policy or "default", d.omp_wait_policy),
+            ("--bandwidth-mb", s.bandwidth_mb, d.bandwidth_mb), ("--prompt-tokens", w.prompt_tokens, dw.prompt_tokens),
+            ("--decode-tokens", w.decode_tokens, dw.decode_tokens), ("--streams", w.streams, dw.streams),
+            ("--stream-prompt-tokens", w.stream_prompt_tokens, dw.stream_prompt_tokens), ("--seed", w.seed, dw.seed)]:
+        if value != default:
+            args += [flag, str(value)]
+    if not s.inprocess:
+        args.append("--no-inprocess")
+    return shlex.join(args)
+
+
+def native_isa() -> str | None:
+    """The ISA the native expert kernels were built for, when kernels.native exists and loaded."""
+    try:
+        from kernels import native
+    except ImportError:
+        return None
+    try:
+        return native.isa() if getattr(native, "AVAILABLE", False) else None
+    except Exception:  # noqa: BLE001 - a context field; never fail the benchmark over it
+        return None
+
+
+def write_json(figures: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(figures, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,233 @@
+"""The headline run: real processes (expert services, then the attention service) started with
+`splitmoe up`'s building blocks, driven over gRPC with the gateway's own AttentionClient.
+
+Threads: the expert services split `threads` between them and the attention service gets all of
+`threads` too, as `splitmoe up` does. Within a step the two sides alternate (the attention side
+waits while the experts compute its layer, the expert services wait for the next layer), so at
+any moment only one side has work and every core serves it. That only holds if waiting threads
+sleep: OpenMP's default lets idle workers spin for a while after each parallel region, which
+takes the cores from the other side, so the children get OMP_WAIT_POLICY=PASSIVE by default.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import grpc
+
+from bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, Measured, measure
+from bench.workload import Prompts, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class ServicesOptions:
+    threads: int
+    expert_services: int = 2
+    transport: str = "auto"            # the attention service's --transport
+    dtype: str = "bfloat16"            # the attention service's --dtype (bfloat16: the fast path)
+    omp_wait_policy: str = "PASSIVE"   # for every child; "" leaves OpenMP's default
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServicesResult:
+    measured: Measured
+    hop_us: float | None               # None without expert services (nothing crosses a process)
+    hop_method: str                    # how hop_us was computed from GetStats
+    transport: str                     # what the attention service says its expert streams use
+    expert_threads: list[int]
+    startup_s: float                   # from the first process started to the attention service healthy
+
+
+def run_services(model_path: str, workload: Workload, prompts: Prompts, options: ServicesOptions, run_dir: Path,
+                 say: Callable[[str], None]) -> ServicesResult:
+    """Start the stack, measure, stop it. Raises ServiceFailed (a service died; its log quoted)
+    or KeyboardInterrupt (Ctrl-C, which the supervisor catches while its children run)."""
+    from splitmoe.commands.up import UpSettings, split_threads
+    from splitmoe.supervisor import StopRequested, Supervisor
+
+    settings = UpSettings(model_path=model_path, num_expert_services=options.expert_services,
+                          threads=options.threads, run_dir=str(run_dir), startup_timeout_s=options.startup_timeout_s)
+    with Supervisor(run_dir, options.startup_timeout_s, stop_grace_s=10.0, say=lambda line: say("  " + line.strip())) \
+            as supervisor:
+        try:
+            started = time.perf_counter()
+            attention_address = _start(supervisor, settings, options, workload)
+            startup_s = time.perf_counter() - started
+            say(f"    services ready in {startup_s:.0f} s")
+            measured, hops = asyncio.run(_drive(supervisor, attention_address, workload, prompts, options, say))
+        except StopRequested:
+            raise KeyboardInterrupt from None
+    if not options.expert_services:
+        transport = "in-process"
+    else:
+        transport = (hops.transport if hops else "") or expert_transport(run_dir / "attention.log")
+    threads = split_threads(options.threads, options.expert_services) if options.expert_services else []
+    return ServicesResult(measured, hops.us if hops else None, hops.method if hops else "", transport, threads,
+                          startup_s)
+
+
+def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -> str:
+    from splitmoe.commands.up import _expert_count, attention_spec, expert_specs
+    from splitmoe.supervisor import free_port
+
+    env = ("env", f"OMP_WAIT_POLICY={options.omp_wait_policy}") if options.omp_wait_policy else ()
+    ports = [free_port() for _ in range(options.expert_services)]
+    if ports:
+        specs = expert_specs(settings, _expert_count(settings.model_path), ports)
+        supervisor.start_stage([dataclasses.replace(s, argv=(*env, *s.argv)) for s in specs])
+    attention = attention_spec(settings, free_port(), [f"127.0.0.1:{p}" for p in ports])
+    w = workload
+    extra = ("--dtype", options.dtype, "--device", "cpu", "--transport", options.transport,
+             "--kv-cache-tokens", str(w.kv_tokens()),
+             # the whole prompt in one step, and all the streams' prompts in one step
+             "--max-batch-tokens", str(max(512, w.prompt_tokens, w.streams * w.stream_prompt_tokens)),
+             "--max-running", str(max(64, w.streams)))
+    supervisor.start_stage([dataclasses.replace(attention, argv=(*env, *attention.argv, *extra))])
+    for child in supervisor.children:  # health is known; an open probe channel would only log the services' exit
+        child.probe.close()
+    return attention.address
+
+
+async def _drive(supervisor, address: str, workload: Workload, prompts: Prompts, options: ServicesOptions,
+                 say: Callable[[str], None]) -> tuple[Measured, HopOverhead | None]:
+    from gateway.attention_client import AttentionClient
+    from gateway.settings import GatewaySettings
+
+    from proto.attention_pb2_grpc import AttentionServiceStub
+
+    client = AttentionClient(GatewaySettings(attention_address=address, request_timeout_s=options.request_timeout_s))
+    stats_channel = grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    engine = ServicesEngine(client, AttentionServiceStub(stats_channel))
+    work = asyncio.create_task(measure(engine, workload, prompts, say))
+    watch = asyncio.create_task(_watch(supervisor))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done():
+            watch.result()  # raises: a service died, or Ctrl-C
+        if work.exception() is not None:
+            _check_children(supervisor)  # a failed call because a service died: say which
+        measured = work.result()
+        return measured, (await engine.hop_overhead()) if options.expert_services else None
+    finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+        await client.close()
+        await stats_channel.close()
+
+
+async def _watch(supervisor) -> None:
+    while True:
+        _check_children(supervisor)
+        await asyncio.sleep(0.2)
+
+
+def _check_children(supervisor) -> None:
+    from splitmoe.supervisor import ServiceFailed, StopRequested, describe_exit
+
+    if supervisor.num_signals:
+        raise StopRequested()
+    for child in supervisor.children:
+        if (code := child.poll()) is not None:
+            raise ServiceFailed(child, f"{describe_exit(code)} during the benchmark")
+
+
+class ServicesEngine:
+    """bench.driver's engine over the AttentionService's Generate stream: one message per token.
+    GetStats is called through the generated stub, so fields newer than the gateway's own
+    AttentionStats (the transport's per-hop figures) are seen too."""
+
+    def __init__(self, client, stats_stub):
+        self.client, self.stats_stub = client, stats_stub
+        self._snapshots: dict[str, asyncio.Task] = {}
+
+    async def generate(self, ids: list[int], max_tokens: int) -> AsyncIterator[float]:
+        from gateway.attention_types import GenerateParams, SamplingParams
+
+        params = GenerateParams(request_id=f"bench-{uuid.uuid4().hex[:12]}", prompt=tuple(ids),
+                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        from gateway.attention_client import AttentionError
+
+        count = 0
+        try:
+            async for chunk in self.client.generate(params):
+                arrived_s = time.perf_counter()
+                count += 1
+                if chunk.usage is not None and chunk.usage.completion_tokens != count:
+                    raise RuntimeError(f"{chunk.usage.completion_tokens} tokens in {count} messages: "
+                                       f"the stream no longer sends one message per token")
+                yield arrived_s
+        except AttentionError as e:
+            raise RuntimeError(f"attention service: Generate failed ({e.code}): {e.message}") from None
+
+    def mark(self, moment: str) -> None:
+        # Snapshots run beside the stream (a task), so reading tokens never waits for them.
+        if moment in (SINGLE_FIRST_TOKEN, SINGLE_END):
+            from proto import attention_pb2 as pb
+
+            self._snapshots[moment] = asyncio.ensure_future(self.stats_stub.GetStats(pb.AttentionStatsRequest(),
+                                                                                     timeout=60.0))
+
+    async def hop_overhead(self) -> "HopOverhead":
+        """Over the single stream's decode: from its first token to its end."""
+        return hop_overhead(await self._snapshots[SINGLE_FIRST_TOKEN], await self._snapshots[SINGLE_END])
+
+
+@dataclass(frozen=True, slots=True)
+class HopOverhead:
+    us: float | None         # per hop; None when no hop happened in between
+    method: str
+    transport: str           # "" when GetStats does not say
+
+
+def hop_overhead(before, after) -> HopOverhead:
+    """Transport overhead of one hop, in µs, between two GetStats snapshots (proto AttentionStats):
+    the round trip (request sent to answer received, as the attention side times it) minus the
+    expert compute the service reports for it, over every expert service.
+
+    Where the service reports its own per-hop median (`overhead_us_median`, over its last hops,
+    which also leaves out time queued behind the other micro-batch), that is used, weighted by
+    each service's hops in between; otherwise the sums give the mean over the hops in between.
+    This is the one place that reads the hop fields: a transport that reports more changes only it.
+    """
+    earlier = {h.expert_address: h for h in before.hops}
+    fields = after.DESCRIPTOR.fields_by_name["hops"].message_type.fields_by_name
+    hops, overhead_s, weighted_median = 0, 0.0, 0.0
+    transports = set()
+    for h in after.hops:
+        b = earlier.get(h.expert_address)
+        n = h.num_hops - (b.num_hops if b else 0)
+        hops += n
+        overhead_s += h.hop_s_total - h.compute_s_total - ((b.hop_s_total - b.compute_s_total) if b else 0.0)
+        if "overhead_us_median" in fields:
+            weighted_median += n * h.overhead_us_median
+        if "transport" in fields and h.transport:
+            transports.add(h.transport)
+    transport = "+".join(sorted(transports))
+    if not hops:
+        return HopOverhead(None, "no hops", transport)
+    if weighted_median > 0:
+        return HopOverhead(weighted_median / hops, "median per hop as the attention service reports it", transport)
+    return HopOverhead(overhead_s / hops * 1e6, "mean per hop: (round trip - expert compute) sums / hops", transport)
+
+
+_TRANSPORT_LINE = re.compile(r"expert service .* over (\w+)")
+
+
+def expert_transport(attention_log: Path) -> str:
+    """The transports the attention service says it opened its expert streams over, e.g. "shm"
+    (older services report none in GetStats)."""
+    try:
+        text = attention_log.read_text(errors="replace")
+    except OSError:
+        return "unknown"
+    found = sorted(set(_TRANSPORT_LINE.findall(text)))
+    return "+".join(found) or "unknown"
