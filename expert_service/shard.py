@@ -3,6 +3,10 @@
 Wraps `modelfile.experts.ExpertShard` (memory-mapped views: building one touches no expert
 bytes) so that LoadShard can replace it while streams are open: a request reads the current
 shard once and finishes on it. Token counts are kept per (layer, expert) for load statistics.
+
+The shard's fast path (bfloat16/float16 requests) is prepared when the shard is built, not at
+the first request: with the native kernels that is cheap (pointers into the mmap); without
+them it is the int4 repack (cached on disk), which could otherwise outlast a request deadline.
 """
 from __future__ import annotations
 
@@ -36,8 +40,10 @@ class ShardTotals:
 class HostedShard:
     """The replaceable expert shard of one GGUF file, with per-(layer, expert) token counts."""
 
-    def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None):
+    def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None,
+                 prepare_fast: bool = True):
         self.g = g
+        self._prepare_fast = prepare_fast
         self.hidden_size = int(g.arch_require("embedding_length"))
         self.num_experts = expert_count(g)
         self.moe_layers = tuple(moe_layers(g))
@@ -98,7 +104,10 @@ class HostedShard:
             layers, experts = (), ()  # half-empty is empty: nothing to compute
         hosted = torch.zeros(self.num_experts, dtype=torch.int64)
         hosted[list(experts)] = 1
-        return ExpertShard(self.g, layers, experts), hosted
+        shard = ExpertShard(self.g, layers, experts)
+        if self._prepare_fast and layers:
+            shard.prepare_fast()
+        return shard, hosted
 
     def _check_inputs(self, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size or hidden.dtype not in _FLOAT_DTYPES:

@@ -43,8 +43,8 @@ class ExpertFFN:
     activation: str = ACT_SILU
 
     def __post_init__(self) -> None:
-        if self.activation not in _ACTIVATIONS:
-            raise ValueError(f"expert activation {self.activation!r}: want one of {', '.join(_ACTIVATIONS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation {self.activation!r}: want one of {', '.join(ACTIVATIONS)}")
 
     @property
     def num_bytes(self) -> int:
@@ -91,7 +91,7 @@ def moe_forward(
 def _expert_ffn(x: torch.Tensor, ffn: ExpertFFN) -> torch.Tensor:
     gate = _matmul(x, ffn.gate, ffn.gate_bias)
     up = _matmul(x, ffn.up, ffn.up_bias)
-    return _matmul(_ACTIVATIONS[ffn.activation](gate, up), ffn.down, ffn.down_bias)
+    return _matmul(ACTIVATIONS[ffn.activation](gate, up), ffn.down, ffn.down_bias)
 
 
 def _matmul(x: torch.Tensor, weight: QuantTensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -110,4 +110,5 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
-_ACTIVATIONS = {ACT_SILU: silu_glu, ACT_SWIGLU_OAI: swiglu_oai}
+ACTIVATIONS = {ACT_SILU: silu_glu, ACT_SWIGLU_OAI: swiglu_oai}
+"""act(gate, up) by name: shared by this reference and the fast path (kernels.expert_kernels)."""

@@ -4,16 +4,28 @@ Two file layouts exist: one 3-D tensor per matrix and layer (`blk.N.ffn_gate_exp
 [n_expert, out, in] in torch order), and the older Mixtral files with one 2-D tensor per expert
 (`blk.N.ffn_gate.E.weight`). Both become per-expert `ExpertFFN` views of the mmap: building a
 shard copies nothing and touches only the pages its experts' bytes live in, when they are used.
+
+A shard computes float32 hidden states on the exact reference path (`kernels.moe.moe_forward`)
+and bfloat16 / float16 ones on the fast path (`kernels.expert_kernels`), prepared once per shard:
+at the first such call, or up front with `ExpertShard.prepare_fast()`.
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+import logging
+import threading
+from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
+from kernels import expert_kernels as ek
+from kernels.int4pack import can_repack
 from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
-from kernels.quants import dequantize
+from kernels.quants import QuantTensor, dequantize
+from kernels.repack_cache import RepackCache, load_or_repack, tensor_digest
 from modelfile.gguf_file import GGUFError, GGUFFile
+
+log = logging.getLogger("splitmoe.experts")
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 _MATRICES = ("gate", "up", "down")
 # The expert activation is fixed by the architecture's code, not stored in the file (as in
@@ -76,6 +88,62 @@ def _stacked_biases(g: GGUFFile, layer: int, stacked) -> list[torch.Tensor | Non
     return biases
 
 
+def _layer_tensors(g: GGUFFile, layer: int, experts: Iterable[int]) -> list[QuantTensor]:
+    """The tensors a layer's expert weights are views of (for the repack cache's fingerprint)."""
+    if g.has(f"blk.{layer}.ffn_gate_exps.weight"):
+        return [g.tensor(f"blk.{layer}.ffn_{m}_exps.weight") for m in _MATRICES]
+    return [g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight") for e in sorted(experts) for m in _MATRICES]
+
+
+def build_fast_layers(g: GGUFFile, ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]], *,
+                      use_native: bool = True, cache: RepackCache | None | str = "default",
+                      progress: bool | None = None) -> dict[int, ek.FastMoELayer]:
+    """Every layer's `FastMoELayer`: native where the kernels can run the expert, else int4-repacked
+    (Q4_0/Q4_1/Q4_K, from/into `cache`) or dequantized per call. `cache="default"`: under
+    splitmoe.settings.cache_dir(); None: no disk cache."""
+    ek.sync_native_threads()
+    use_native = use_native and ek.native_available()
+    num_experts = expert_count(g)
+    native_ok = {layer: {e for e, f in ffns.items() if use_native and ek.native_supports(f)}
+                 for layer, ffns in ffns_by_layer.items()}
+    to_repack = {layer: {e: f for e, f in ffns.items() if e not in native_ok[layer] and can_repack(f)}
+                 for layer, ffns in ffns_by_layer.items()}
+    int4: dict[int, dict] = {}
+    if any(to_repack.values()):
+        if cache == "default":
+            cache = RepackCache()
+        identities = {layer: f"{g.file_id}|{tensor_digest(_layer_tensors(g, layer, fs))}"
+                      for layer, fs in to_repack.items() if fs}
+        int4 = load_or_repack({layer: fs for layer, fs in to_repack.items() if fs}, identities, g.path.name,
+                              cache, progress)
+    fast = {layer: ek.FastMoELayer(ffns, num_experts, int4=int4.get(layer), use_native=use_native)
+            for layer, ffns in ffns_by_layer.items()}
+    _log_fast_path(fast, ffns_by_layer, use_native)
+    return fast
+
+
+def _log_fast_path(fast: Mapping[int, ek.FastMoELayer], ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]],
+                   use_native: bool) -> None:
+    total = sum(len(f) for f in ffns_by_layer.values())
+    if not total:
+        return
+    n_native = sum(layer.native_experts for layer in fast.values())
+    n_int4 = sum(len(layer.int4) for layer in fast.values())
+    n_dense = total - n_native - n_int4
+    dtype = ek.default_compute_dtype()
+    if use_native:
+        how = (f"native kernels ({ek.native.isa()}, {ek.native.get_num_threads()} threads) on {n_native} experts, "
+               f"read in place from the GGUF, nothing repacked, up to {ek.NATIVE_MAX_TOKENS.get(dtype, 0)} "
+               f"tokens per expert")
+    else:
+        how = (f"pure torch, native kernels unavailable ({ek.native_unavailable_reason() or 'disabled'}): "
+               f"{n_int4} Q4 experts int4-repacked, torch's int4 kernel up to {ek.INT4_MAX_TOKENS} tokens per expert")
+    others = f"; {n_dense} experts of other types dequantized per call" if n_dense else ""
+    log.info("expert fast path (bfloat16/float16 requests), %d experts in %s: %s%s; more tokens per expert: "
+             "dequantize once to %s, gate+up fused GEMM", total, format_ranges("layers", fast), how, others,
+             str(dtype).removeprefix("torch."))
+
+
 class ExpertShard:
     """The (layer, expert) pairs one process hosts, and the expert FFN over them."""
 
@@ -83,6 +151,22 @@ class ExpertShard:
         self.layers = sorted(moe_layers(g) if layers is None else layers)
         self.experts = sorted(range(expert_count(g)) if experts is None else experts)
         self._ffns = {layer: load_layer_experts(g, layer, self.experts) for layer in self.layers}
+        self._g = g
+        self._fast: dict[int, ek.FastMoELayer] | None = None
+        self._fast_lock = threading.Lock()
+
+    def prepare_fast(self, progress: bool | None = None) -> dict[int, ek.FastMoELayer]:
+        """Build the fast path of every hosted layer now (once; later calls return it).
+
+        `progress`: the int4 repack's progress bar on stderr (None: when stderr is a terminal).
+        """
+        fast = self._fast
+        if fast is None:
+            with self._fast_lock:
+                if self._fast is None:
+                    self._fast = build_fast_layers(self._g, self._ffns, progress=progress)
+                fast = self._fast
+        return fast
 
     def holds(self, key: ExpertKey) -> bool:
         return key.layer in self._ffns and key.expert in self._ffns[key.layer]
@@ -93,10 +177,15 @@ class ExpertShard:
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                 expert_weights: torch.Tensor) -> torch.Tensor:
-        """This shard's part of the layer's expert sum; ids it does not host add nothing."""
+        """This shard's part of the layer's expert sum; ids it does not host add nothing.
+
+        bfloat16/float16 `hidden` take the fast path, any other dtype the exact float32 reference.
+        """
         ffns = self._ffns.get(layer)
         if ffns is None:
             raise KeyError(f"layer {layer} is not in this shard ({format_ranges('layers', self.layers)})")
+        if hidden.dtype in _FAST_DTYPES:
+            return self.prepare_fast()[layer].forward(hidden, expert_ids, expert_weights)
         return moe_forward(hidden, expert_ids, expert_weights, ffns)
 
 

@@ -118,7 +118,12 @@ def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_gguf):
     with remote(g, services.address("low"), services.address("high")) as backend:
         got = backend.forward(1, hidden.bfloat16(), ids, weights)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    # bfloat16 requests take the fast kernels (int8 activations, ~1.3% per layer): the fidelity
+    # budget is rel-L2 3e-2 against the float32 path; the parts themselves add up to what one
+    # process computing every expert on the same fast path gets, up to each part's bf16 rounding.
+    assert (got - expected).norm() / expected.norm() < 3e-2
+    one_process = InProcessExperts(g).forward(1, hidden.bfloat16(), ids, weights).float()
+    torch.testing.assert_close(got, one_process, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])

@@ -1,0 +1,268 @@
+"""The routed experts' fast path: `kernels.moe`'s interface for bfloat16 / float16 hidden states.
+
+Each call splits the layer's routed slots by how many tokens each expert got:
+
+* few tokens (decode): the native kernels' `MoELayer` (int8 dot products straight from the GGUF
+  blocks, one native call for all those experts); without the native library, or for a type it
+  lacks, Q4_0/Q4_1/Q4_K experts run torch's int4 kernel on weights repacked at load
+  (`kernels.int4pack`), and other types dequantize per call like prefill.
+* many tokens (prefill): each active expert is dequantized once to the compute dtype (natively
+  when possible), gate and up in one [2*ffn, D] matrix, one GEMM for both, the activation in
+  float32, the down GEMM, and a weighted index_add.
+
+The compute dtype of the prefill GEMMs is bfloat16 where the CPU multiplies bfloat16 natively
+(AVX-512 BF16 or AMX), else float32: emulated bfloat16 GEMMs are 2-3x slower than float32.
+Accumulation and the output sum are float32; the result is returned in `hidden.dtype`.
+
+Float32 hidden states never come here: `modelfile.experts.ExpertShard` keeps them on the exact
+reference path (`kernels.moe.moe_forward`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from typing import Mapping
+
+import torch
+
+from kernels import int4pack
+from kernels.int4pack import Int4Expert
+from kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
+from kernels.quants import QuantTensor, dequantize as ref_dequantize
+
+try:
+    from kernels import native
+except ImportError as e:  # the module itself missing: treat as a library that did not build
+    native = None
+    _NATIVE_IMPORT_ERROR = f"kernels.native not importable: {e}"
+else:
+    _NATIVE_IMPORT_ERROR = None
+
+log = logging.getLogger("splitmoe.kernels")
+
+# Tokens per expert up to which the decode routes beat dequantize-once + GEMM (per expert).
+# Measured on a Qwen3-30B-A3B Q4_K_M layer (gate/up Q4_K, down Q6_K) on 2 Skylake-SP cores
+# (AVX-512BW, no VNNI, float32 GEMM): native MoELayer ~0.2 ms/token vs dequantize (~12 ms)
+# + GEMM, crossover 130-380 tokens (shared, noisy machine). Where bfloat16 GEMMs are native
+# (AMX / AVX512-BF16) the GEMM is several times faster, so prefill takes over much earlier:
+# that value is an estimate, not a measurement.
+NATIVE_MAX_TOKENS = {torch.float32: 160, torch.bfloat16: 48}
+# Pure-torch fallback: torch's int4 kernel vs dequantizing with kernels.quants (slow) + GEMM.
+INT4_MAX_TOKENS = 256
+
+
+def native_available() -> bool:
+    return native is not None and bool(native.AVAILABLE)
+
+
+def native_unavailable_reason() -> str | None:
+    if native is None:
+        return _NATIVE_IMPORT_ERROR
+    return None if native.AVAILABLE else native.UNAVAILABLE_REASON
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX-BF16 (x86), or BF16 (aarch64): where torch's bf16 GEMM is fast.
+
+    Not `torch.ops.mkldnn._is_mkldnn_bf16_supported()`: that is also true on plain AVX-512BW,
+    where oneDNN emulates bf16 more slowly than float32.
+    """
+    caps = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
+    if caps is not None:
+        try:
+            c = caps()
+            if any(k in c for k in ("avx512_bf16", "amx_bf16")):
+                return bool(c.get("avx512_bf16") or c.get("amx_bf16"))
+        except Exception:  # noqa: BLE001 - any failure: fall back to /proc
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def default_compute_dtype() -> torch.dtype:
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def native_supports(ffn: ExpertFFN) -> bool:
+    """Whether the native MoELayer can compute this expert."""
+    return native_available() and ffn.activation in ACTIVATIONS and all(
+        native.supports(w.ggml_type) and len(w.shape) == 2 for w in (ffn.gate, ffn.up, ffn.down))
+
+
+def sync_native_threads() -> None:
+    """The native pool as wide as torch's intra-op pool (which `--threads` sets)."""
+    if native_available() and native.get_num_threads() != torch.get_num_threads():
+        native.set_num_threads(torch.get_num_threads())
+
+
+def dequantize(w: QuantTensor, dtype: torch.dtype, out: torch.Tensor | None = None,
+               use_native: bool = True) -> torch.Tensor:
+    """w's values in `dtype` (float32 or bfloat16), natively when the library can."""
+    if use_native and native_available() and dtype in (torch.float32, torch.bfloat16):
+        try:
+            return native.dequantize(w, dtype, out=out)
+        except ValueError:  # a type it lacks: the torch reference below
+            pass
+    values = ref_dequantize(w).to(dtype)
+    if out is None:
+        return values
+    return out.copy_(values)
+
+
+class FastMoELayer:
+    """One MoE layer's hosted experts on the fast path (see the module docstring).
+
+    `int4`: repacked experts for the torch decode route (only used where native cannot run
+    the expert). `use_native=False` forces the pure-torch routes (tests, benchmarks).
+    """
+
+    def __init__(self, ffns: Mapping[int, ExpertFFN], num_experts: int, *,
+                 int4: Mapping[int, Int4Expert] | None = None, use_native: bool = True,
+                 native_max_tokens: int | None = None, int4_max_tokens: int = INT4_MAX_TOKENS,
+                 compute_dtype: torch.dtype | None = None):
+        self.num_experts = int(num_experts)
+        self.ffns = dict(ffns)
+        bad = [e for e in self.ffns if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"expert ids {bad} outside [0, {self.num_experts})")
+        self.compute_dtype = compute_dtype or default_compute_dtype()
+        if native_max_tokens is None:
+            native_max_tokens = NATIVE_MAX_TOKENS.get(self.compute_dtype, NATIVE_MAX_TOKENS[torch.float32])
+        self.native_max_tokens = native_max_tokens
+        self.int4_max_tokens = int4_max_tokens
+        native_experts = {e: f for e, f in self.ffns.items() if use_native and native_supports(f)}
+        self._native = native.MoELayer(native_experts, self.num_experts) if native_experts else None
+        self._native_dequantize = use_native and native_available()
+        self.int4 = {e: w for e, w in (int4 or {}).items() if e in self.ffns and e not in native_experts}
+        # Per expert id: 0 not hosted, 1 native, 2 int4, 3 dense only.
+        route = torch.zeros(self.num_experts + 1, dtype=torch.int8)  # the extra last entry: id -1
+        for e in self.ffns:
+            route[e] = 1 if e in native_experts else 2 if e in self.int4 else 3
+        self._route = route
+        self._biases = {e: _fused_biases(f) for e, f in self.ffns.items()}
+
+    @property
+    def native_experts(self) -> int:
+        return int((self._route == 1).sum())
+
+    def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over hosted experts, [T, D] in hidden.dtype; other ids add nothing."""
+        num_tokens, top_k = expert_ids.shape
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        if num_tokens == 0 or top_k == 0 or not self.ffns:
+            return out.to(hidden.dtype)
+        flat = expert_ids.reshape(-1).long()
+        valid = (flat >= 0) & (flat < self.num_experts)
+        flat = torch.where(valid, flat, torch.full_like(flat, -1))
+        route = self._route[flat].long()  # -1 indexes the extra "not hosted" entry
+        counts = torch.bincount(flat + 1, minlength=self.num_experts + 1)[flat + 1]  # slots of each slot's expert
+        # Native slots: one call for every decode-sized native expert.
+        native_slot = (route == 1) & (counts <= self.native_max_tokens)
+        if bool(native_slot.any()):
+            ids = torch.where(native_slot, flat, torch.full_like(flat, -1)).view(num_tokens, top_k)
+            self._native.forward(hidden.float().contiguous(), ids, expert_weights.float().contiguous(), out=out)
+        torch_slot = (route > 0) & ~native_slot
+        if bool(torch_slot.any()):
+            self._torch_experts(hidden, torch.where(torch_slot, flat, torch.full_like(flat, -1)),
+                                expert_weights, top_k, out)
+        return out.to(hidden.dtype)
+
+    __call__ = forward
+
+    def _torch_experts(self, hidden: torch.Tensor, flat: torch.Tensor, expert_weights: torch.Tensor,
+                       top_k: int, out: torch.Tensor) -> None:
+        present, counts, order = group_by_expert(flat)
+        token_of_slot = order // top_k
+        slot_weights = expert_weights.reshape(-1).float()[order]
+        x_int4 = x_dense = None
+        start = 0
+        for expert, count in zip(present.tolist(), counts.tolist()):
+            end = start + count
+            if expert >= 0:
+                tokens = token_of_slot[start:end]
+                packed = self.int4.get(expert)
+                if packed is not None and count <= self.int4_max_tokens:
+                    if x_int4 is None:
+                        x_int4 = hidden.to(torch.bfloat16)
+                    y = self._int4_ffn(x_int4[tokens], expert, packed)
+                else:
+                    if x_dense is None:
+                        x_dense = hidden.to(self.compute_dtype)
+                    y = self._dense_ffn(x_dense[tokens], expert)
+                out.index_add_(0, tokens, y * slot_weights[start:end, None])
+            start = end
+
+    def _int4_ffn(self, x: torch.Tensor, expert: int, packed: Int4Expert) -> torch.Tensor:
+        ffn = self.ffns[expert]
+        gate_up_bias, down_bias = self._biases[expert]
+        a = self._activation(packed.gate_up.matmul(x), ffn, gate_up_bias)
+        if packed.down is not None:
+            y = packed.down.matmul(a).float()
+        else:
+            y = (a.to(self.compute_dtype) @ self._dequantize(ffn.down, "down").T).float()
+        return y if down_bias is None else y + down_bias
+
+    def _dense_ffn(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        ffn = self.ffns[expert]
+        gate_up_bias, down_bias = self._biases[expert]
+        f = ffn.gate.shape[0]
+        w = _scratch("gate_up", (2 * f, ffn.gate.shape[1]), self.compute_dtype)
+        self._dequantize(ffn.gate, out=w[:f])
+        self._dequantize(ffn.up, out=w[f:])
+        a = self._activation(x @ w.T, ffn, gate_up_bias)
+        y = (a.to(self.compute_dtype) @ self._dequantize(ffn.down, "down").T).float()
+        return y if down_bias is None else y + down_bias
+
+    def _dequantize(self, w: QuantTensor, scratch: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = _scratch(scratch, w.shape, self.compute_dtype)
+        return dequantize(w, self.compute_dtype, out=out, use_native=self._native_dequantize)
+
+    @staticmethod
+    def _activation(h: torch.Tensor, ffn: ExpertFFN, gate_up_bias: torch.Tensor | None) -> torch.Tensor:
+        """act(gate, up) in float32 from the fused [n, 2*ffn] product."""
+        h = h.float()
+        if gate_up_bias is not None:
+            h = h + gate_up_bias
+        f = h.shape[1] // 2
+        return ACTIVATIONS[ffn.activation](h[:, :f], h[:, f:])
+
+
+_tls = threading.local()
+
+
+_SCRATCH_MAX_BYTES = 64 << 20
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread buffer reused across calls and layers (up to 64 MiB; larger ones are
+    allocated per call): a fresh dequantized expert costs page faults on every call."""
+    numel = math.prod(shape)
+    if numel * dtype.itemsize > _SCRATCH_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    buf = getattr(_tls, name, None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_tls, name, buf)
+    return buf[:numel].view(shape)
+
+
+def _fused_biases(ffn: ExpertFFN) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gate and up biases as one float32 [2*ffn], or None; down bias float32, or None)."""
+    f = ffn.gate.shape[0]
+    gate_up = None
+    if ffn.gate_bias is not None or ffn.up_bias is not None:
+        zeros = torch.zeros(f, dtype=torch.float32)
+        gate_up = torch.cat([zeros if b is None else b.float().reshape(f) for b in (ffn.gate_bias, ffn.up_bias)])
+    down = None if ffn.down_bias is None else ffn.down_bias.float().contiguous()
+    return gate_up, down
