@@ -9,18 +9,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from attention_service.batch import SeqSlice, StepBatch
 from attention_service.kv_cache import KVCache
 from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
+from kernels.linear import LinearWeight, QuantLinear
 from modelfile.hparams import ModelConfig
 
 if TYPE_CHECKING:
     from attention_service.models.base import ArchSpec
 
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
+# Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
+SCORES_PER_CHUNK = 1 << 22
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
@@ -34,40 +36,82 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     head that joins the softmax denominator and adds no value (gpt-oss).
     Returns [T, H, Dv] in q's dtype.
     """
-    context = torch.arange(first_position, first_position + k.shape[0], device=k.device)
-    allowed = context[None, :] <= q_positions[:, None]
-    if window_tokens:
-        allowed &= context[None, :] > q_positions[:, None] - window_tokens
-    qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
-    if sinks is None:
-        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-    else:
-        out = _attention_with_sinks(qf, kf, vf, allowed, scale, sinks)
-    return out.transpose(0, 1).to(q.dtype)
+    return grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), q_positions, scale,
+                             window_tokens=window_tokens, sinks=sinks, first_position=first_position)
 
 
-def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                          scale: float, sinks: torch.Tensor) -> torch.Tensor:
-    """q [H, T, D], k [G, C, D], v [G, C, Dv] in float32 -> [H, T, Dv].
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                      scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
+                      first_position: int = 0) -> torch.Tensor:
+    """`attention` with k [G, C, D] and v [G, C, Dv] in the KV cache's layout.
 
-    Written out because SDPA has no sink term: softmax over [scores, sink], then the sink's
-    column is dropped, so a head can put weight on "nothing" instead of on some token.
+    Grouped query heads are never expanded: the R = H/G query heads of a kv head become R rows of
+    one matrix product with that head's keys, [G, T*R, D] @ [G, D, C], in chunks of query rows
+    that bound the score matrix. On the CPU each chunk multiplies only the keys some of its
+    queries see (causal: none after its last query; sliding: none before its first one's window)
+    and masks only where its queries disagree, so a decode step masks nothing. Float32 k/v are
+    read in place; others are converted once.
     """
-    group = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    scores = (q @ k.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
-    sink = sinks.float().view(-1, 1, 1).expand(-1, q.shape[1], 1)
-    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    return probs @ v
+    T, H, D = q.shape
+    G, C, Dv = k.shape[0], k.shape[1], v.shape[2]
+    R = H // G
+    kf, vf = k.float(), v.float()
+    qf = q.float() * scale
+    if T == 1 and sinks is None and q_positions.device.type == "cpu":  # decode: a few calls
+        lo = 0
+        if window_tokens:
+            lo = min(C - 1, max(0, int(q_positions[0]) - window_tokens + 1 - first_position))
+            kf, vf = kf[:, lo:], vf[:, lo:]
+        probs = torch.softmax(torch.bmm(qf.view(G, R, D), kf.mT), dim=-1)
+        out = torch.bmm(probs, vf).view(1, H, Dv)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+    qf = qf.reshape(T, G, R, D).transpose(0, 1).reshape(G, T * R, D)
+    out = torch.empty(G, T * R, Dv, dtype=torch.float32, device=q.device)
+    # Host-side positions let each chunk skip keys; on an accelerator that would sync, so there
+    # every chunk takes the whole context, masked.
+    positions = q_positions.tolist() if q_positions.device.type == "cpu" else None
+    sink = None if sinks is None else sinks.float().view(G, 1, R, 1)
+    step = max(1, SCORES_PER_CHUNK // max(1, H * C))
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        rows = slice(t0 * R, t1 * R)
+        lo, hi, mask_from = 0, C, 0
+        if positions is not None:
+            p_min, p_max = min(positions[t0:t1]), max(positions[t0:t1])
+            hi = max(1, min(C, p_max - first_position + 1))
+            if window_tokens:
+                lo = min(hi - 1, max(0, p_min - window_tokens + 1 - first_position))
+                if p_max - window_tokens + 1 <= first_position + lo:  # no query's window starts later
+                    mask_from = max(0, p_min + 1 - first_position)
+            else:
+                mask_from = max(0, p_min + 1 - first_position)
+        scores = torch.bmm(qf[:, rows], kf[:, lo:hi].mT).view(G, t1 - t0, R, hi - lo)
+        if mask_from < hi:  # some key in [mask_from, hi) is out of some query's reach
+            start = max(lo, mask_from)
+            context = torch.arange(first_position + start, first_position + hi, device=k.device)
+            pos = q_positions[t0:t1, None]
+            allowed = context[None, :] <= pos
+            if window_tokens:
+                allowed &= context[None, :] > pos - window_tokens
+            scores[..., start - lo :].masked_fill_(~allowed[None, :, None, :], float("-inf"))
+        if sink is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # softmax over [scores, sink] with the sink's column dropped: a head can put weight
+            # on "nothing" instead of on some token.
+            top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+            probs = torch.exp(scores - top)
+            probs /= probs.sum(-1, keepdim=True) + torch.exp(sink - top)
+        torch.bmm(probs.view(G, (t1 - t0) * R, hi - lo), vf[:, lo:hi], out=out[:, rows])
+    return out.view(G, T, R, Dv).transpose(0, 1).reshape(T, H, Dv).to(q.dtype)
 
 
 @dataclass
 class AttentionWeights:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
+    q: LinearWeight
+    k: LinearWeight
+    v: LinearWeight
+    out: LinearWeight
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -96,15 +140,19 @@ class MultiHeadAttention:
 
     @staticmethod
     def load_weights(load: WeightLoader, spec: ArchSpec, p: str) -> AttentionWeights:
-        bias = load if spec.qkv_bias else load.optional
+        f32 = torch.float32  # biases are tiny: kept float32, added before any rounding
+
+        def bias(name: str) -> torch.Tensor | None:
+            return load(name, f32) if spec.qkv_bias else load.optional(name, f32)
+
         has_norm = spec.qk_norm != QK_NORM_NONE
         return AttentionWeights(
-            q=load(p + "attn_q.weight"), k=load(p + "attn_k.weight"), v=load(p + "attn_v.weight"),
-            out=load(p + "attn_output.weight"),
+            q=load.linear(p + "attn_q.weight"), k=load.linear(p + "attn_k.weight"),
+            v=load.linear(p + "attn_v.weight"), out=load.linear(p + "attn_output.weight"),
             q_bias=bias(p + "attn_q.bias"), k_bias=bias(p + "attn_k.bias"), v_bias=bias(p + "attn_v.bias"),
             q_norm=load.norm(p + "attn_q_norm.weight") if has_norm else None,
             k_norm=load.norm(p + "attn_k_norm.weight") if has_norm else None,
-            out_bias=load.optional(p + "attn_output.bias"),
+            out_bias=load.optional(p + "attn_output.bias", f32),
             sinks=load.norm(p + "attn_sinks.weight") if spec.attention_sinks else None,
         )
 
@@ -116,6 +164,8 @@ class MultiHeadAttention:
                  kv: KVCache) -> torch.Tensor:
         """h [T, hidden] -> attention output [T, hidden]; writes this step's K/V to the cache."""
         c, eps = self.cfg, self.cfg.norm_eps
+        if isinstance(w.q, QuantLinear):
+            h = h.float()  # what the quantized routes take: converted once for q, k and v
         q, k, v = linear(h, w.q, w.q_bias), linear(h, w.k, w.k_bias), linear(h, w.v, w.v_bias)
         if self.spec.qk_norm == QK_NORM_FULL:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
@@ -126,14 +176,16 @@ class MultiHeadAttention:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
         kv.write(i, batch.new_slots, k=k, v=v)
-        out = torch.empty(q.shape[0], c.num_heads, c.value_head_dim, dtype=q.dtype, device=q.device)
         window = self.window_tokens(i)
+        parts, one = [], len(batch.seqs) == 1
         for s in batch.seqs:
             first = _first_visible_position(s, window)
-            ctx = kv.read(i, s.context_slots[first:])
-            out[s.start : s.end] = attention(q[s.start : s.end], ctx["k"], ctx["v"],
-                                             batch.positions[s.start : s.end], self.scale,
-                                             window_tokens=window, sinks=w.sinks, first_position=first)
+            # The whole context is the step's own tensor, so the cache recognises it across layers.
+            ctx = kv.read_pooled(i, s.context_slots[first:] if first else s.context_slots)
+            parts.append(grouped_attention(q if one else q[s.start : s.end], ctx["k"], ctx["v"],
+                                           batch.positions if one else batch.positions[s.start : s.end],
+                                           self.scale, window_tokens=window, sinks=w.sinks, first_position=first))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return linear(out.flatten(1), w.out, w.out_bias)
 
 

@@ -13,6 +13,9 @@ class BlockManager:
         self.kv_block_tokens = kv_block_tokens
         self._free = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
+        # Per sequence, the slots of all its blocks' tokens, rebuilt only when it gains blocks:
+        # a decode step then costs a slice, not a tensor built from the whole table.
+        self._slots: dict[int, torch.Tensor] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -31,10 +34,18 @@ class BlockManager:
         table.extend(self._free.pop() for _ in range(need))
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """Cache slots of token positions [start, end) of the sequence."""
-        table = torch.tensor(self._tables[seq_id], dtype=torch.long)
-        positions = torch.arange(start, end)
-        return table[positions // self.kv_block_tokens] * self.kv_block_tokens + positions % self.kv_block_tokens
+        """Cache slots of token positions [start, end) of the sequence (a read-only view)."""
+        table = self._tables[seq_id]
+        cached = self._slots.get(seq_id)
+        if cached is None or cached.numel() != len(table) * self.kv_block_tokens:
+            blocks = torch.tensor(table, dtype=torch.long)
+            cached = (blocks[:, None] * self.kv_block_tokens + torch.arange(self.kv_block_tokens)).reshape(-1)
+            self._slots[seq_id] = cached
+        if not 0 <= start <= end <= cached.numel():
+            raise IndexError(f"sequence {seq_id}: positions {start}..{end} beyond its {cached.numel()} "
+                             "reserved slots")
+        return cached[start:end]
 
     def free(self, seq_id: int) -> None:
+        self._slots.pop(seq_id, None)
         self._free.extend(reversed(self._tables.pop(seq_id, [])))

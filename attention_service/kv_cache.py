@@ -4,6 +4,12 @@ A slot is `block * kv_block_tokens + offset`. Which blocks a sequence owns is th
 business; this class only stores and gathers. Entries are named per architecture (`k`/`v` for
 multi-head attention; MLA stores its compressed latent instead), so the cache never assumes a
 layout.
+
+Each pool keeps the slot axis second to last: an entry of shape [G, D] is stored [G, slots, D],
+so that one head's context is contiguous for attention's batched matrix products. `read` returns
+[C, *shape] all the same (a transposed view), and costs no copy when the slots are one run of
+consecutive slots, which is what a sequence's blocks usually are (the block manager hands out
+free blocks in order).
 """
 from __future__ import annotations
 
@@ -18,17 +24,62 @@ class KVCache:
         self.num_blocks = num_blocks
         self.kv_block_tokens = kv_block_tokens
         num_slots = num_blocks * kv_block_tokens
+        self._slot_dims = {name: max(0, len(shape) - 1) for name, shape in entry_shapes.items()}
         self._pools = [
-            {name: torch.zeros((num_slots, *shape), dtype=dtype, device=device) for name, shape in entry_shapes.items()}
+            {name: torch.zeros((*shape[:-1], num_slots, *shape[-1:]), dtype=dtype, device=device)
+             for name, shape in entry_shapes.items()}
             for _ in range(num_layers)
         ]
         self.bytes_per_token = sum(
             torch.Size(shape).numel() * dtype.itemsize for shape in entry_shapes.values()) * num_layers
+        # (slots tensor, run start) of the last few slot tensors read: every layer of a step reads
+        # the same context tensor, so its check runs once per step. Holding the tensors means an
+        # id is never that of a recycled one.
+        self._runs: dict[int, tuple[torch.Tensor, int | None]] = {}
 
     def write(self, layer: int, slots: torch.Tensor, **entries: torch.Tensor) -> None:
+        """Each entry [T, *shape] into `slots` [T]."""
         pool = self._pools[layer]
         for name, value in entries.items():
-            pool[name].index_copy_(0, slots, value.to(pool[name].dtype))
+            dim = self._slot_dims[name]
+            pool[name].index_copy_(dim, slots, value.to(pool[name].dtype).movedim(0, dim))
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: t.index_select(0, slots) for name, t in self._pools[layer].items()}
+        """Each entry at `slots` [C] as [C, *shape]: a view of the pool when the slots run
+        consecutively (do not write to it), else a gathered copy."""
+        return {name: t.movedim(self._slot_dims[name], 0) for name, t in self.read_pooled(layer, slots).items()}
+
+    def read_pooled(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`read` in the pool's layout: an entry of shape [G, D] comes as [G, C, D]."""
+        start = self._run_start(slots)
+        out = {}
+        for name, t in self._pools[layer].items():
+            dim = self._slot_dims[name]
+            out[name] = t.index_select(dim, slots) if start is None else t.narrow(dim, start, slots.numel())
+        return out
+
+    def _run_start(self, slots: torch.Tensor) -> int | None:
+        hit = self._runs.get(id(slots))
+        if hit is not None and hit[0] is slots:
+            return hit[1]
+        if len(self._runs) >= 16:
+            self._runs.clear()
+        start = _run_start(slots)
+        self._runs[id(slots)] = (slots, start)
+        return start
+
+
+def _run_start(slots: torch.Tensor) -> int | None:
+    """slots[0] when `slots` are consecutive ascending CPU slots (a view can stand for them), else None.
+
+    Checked on the CPU only: on an accelerator the gather is cheap and the check would sync.
+    """
+    n = slots.numel()
+    if n == 0 or slots.device.type != "cpu":
+        return None
+    first = int(slots[0])
+    if n == 1:
+        return first
+    if int(slots[-1]) - first != n - 1 or not bool((slots[1:] - slots[:-1] == 1).all()):
+        return None
+    return first

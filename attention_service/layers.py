@@ -10,17 +10,21 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels.linear import QuantLinear, linear  # noqa: F401 - re-exported: the one linear every layer uses
 from modelfile.hparams import RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) · weight, computed in float32, returned in x's dtype.
+
+    torch's rms_norm is one call for the same float32 operations in the same order (bit-identical
+    results), where the spelled-out form is eight: on a decode step the calls are the cost.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
 
 
 class Rope:
@@ -41,20 +45,49 @@ class Rope:
         if magnitude is not None:
             self.magnitude = magnitude
         self.inv_freq = inv_freq.to(device)
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D], positions [T]."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos = (angles.cos() * self.magnitude)[:, None, :]
-        sin = (angles.sin() * self.magnitude)[:, None, :]
-        rot, rest = x[..., : self.dims].float(), x[..., self.dims :]
+        """x [T, H, D], positions [T].
+
+        Computed as rot·cos + swap(rot)·(∓sin), where swap exchanges each pair's two members: the
+        same products and sums as (a·cos − b·sin, a·sin + b·cos), so bit-identical, in fewer calls.
+        """
+        cos, sin = self._tables(positions)
+        rot = x[..., : self.dims].float()
         if self.interleaved:
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+            swapped = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         else:
             a, b = rot.chunk(2, dim=-1)
-            rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+            swapped = torch.cat((b, a), dim=-1)
+        rotated = rot * cos
+        rotated += swapped.mul_(sin)
+        if self.dims == x.shape[-1]:
+            return rotated.to(x.dtype)
+        return torch.cat((rotated.to(x.dtype), x[..., self.dims :]), dim=-1)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, dims] in the rotation's pair layout, for these positions.
+
+        Kept for the last few positions tensors seen (held, so an id is never a recycled one's):
+        every layer's q and k of a step, or of each of its micro-batches, share them.
+        """
+        hit = self._cache.get(id(positions))
+        if hit is not None and hit[0] is positions:
+            return hit[1], hit[2]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = angles.cos() * self.magnitude
+        sin = angles.sin() * self.magnitude
+        if self.interleaved:
+            cos2 = cos.repeat_interleave(2, dim=-1)
+            sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
+        else:
+            cos2 = torch.cat((cos, cos), dim=-1)
+            sin2 = torch.cat((-sin, sin), dim=-1)
+        if len(self._cache) >= 4:
+            self._cache.clear()
+        self._cache[id(positions)] = (positions, cos2[:, None, :], sin2[:, None, :])
+        return cos2[:, None, :], sin2[:, None, :]
 
 
 def _apply_scaling(inv_freq: torch.Tensor, scaling: RopeScaling | None, theta: float,
@@ -80,7 +113,10 @@ def _yarn_corr_dim(rotations: float, dims: int, theta: float, original_context_t
     return dims * math.log(original_context_tokens / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate: torch.Tensor | QuantLinear, up: torch.Tensor | QuantLinear,
+           down: torch.Tensor | QuantLinear) -> torch.Tensor:
+    if isinstance(gate, QuantLinear):
+        x = x.float()  # what the quantized routes take: converted once for gate and up
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 

@@ -21,6 +21,7 @@ from attention_service.batch import StepBatch
 from attention_service.kv_cache import KVCache
 from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
+from kernels.linear import LinearWeight, QuantLinear
 from modelfile.gguf_file import GGUFError
 from modelfile.hparams import ModelConfig, RopeScaling
 
@@ -28,17 +29,20 @@ if TYPE_CHECKING:
     from attention_service.models.base import ArchSpec
 
 LATENT_ENTRY = "latent"  # the KV cache entry: [normed latent (L) | roped shared key (R)] per token
+# At most this many float32 scores [rows, C] at once: queries are taken in chunks of rows.
+SCORES_PER_CHUNK = 1 << 22
 
 
 @dataclass
 class MLAWeights:
-    q: torch.Tensor  # attn_q_b [H*(N+R), q_lora], or attn_q [H*(N+R), hidden] without q LoRA (V2-Lite)
-    kv_a: torch.Tensor  # attn_kv_a_mqa [L+R, hidden]
+    q: LinearWeight  # attn_q_b [H*(N+R), q_lora], or attn_q [H*(N+R), hidden] without q LoRA (V2-Lite)
+    kv_a: LinearWeight  # attn_kv_a_mqa [L+R, hidden]
     kv_a_norm: torch.Tensor  # [L] float32
+    # The per-head maps are 3-D and used in batched products: dense in the model's dtype always.
     k_b: torch.Tensor  # [H, L, N]: per head, the latent -> no-rope key map, transposed
     v_b: torch.Tensor  # [H, V, L]: per head, the latent -> value map
-    out: torch.Tensor  # [hidden, H*V]
-    q_a: torch.Tensor | None = None  # [q_lora, hidden]
+    out: LinearWeight  # [hidden, H*V]
+    q_a: LinearWeight | None = None  # [q_lora, hidden]
     q_a_norm: torch.Tensor | None = None  # [q_lora] float32
 
 
@@ -49,12 +53,19 @@ def latent_attention(q: torch.Tensor, ctx: torch.Tensor, q_positions: torch.Tens
     q [T, H, L+R] at absolute `q_positions`; ctx [C, L+R] holds positions 0..C-1, and its first
     L dims are also the values. Returns [T, H, L] in q's dtype.
     """
+    T, H, _ = q.shape
+    C = ctx.shape[0]
     qf, kf = q.float(), ctx.float()
-    scores = torch.einsum("thd,cd->thc", qf, kf) * scale
-    context = torch.arange(ctx.shape[0], device=ctx.device)
-    future = context[None, :] > q_positions[:, None]
-    probs = torch.softmax(scores.masked_fill(future[:, None, :], float("-inf")), dim=-1)
-    return torch.einsum("thc,cl->thl", probs, kf[:, :latent_dims]).to(q.dtype)
+    out = torch.empty(T, H, latent_dims, dtype=torch.float32, device=q.device)
+    context = torch.arange(C, device=ctx.device)
+    step = max(1, SCORES_PER_CHUNK // max(1, H * C))
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        scores = (qf[t0:t1].reshape(-1, qf.shape[-1]) @ kf.T).mul_(scale).view(t1 - t0, H, C)
+        future = context[None, :] > q_positions[t0:t1, None]
+        probs = torch.softmax(scores.masked_fill_(future[:, None, :], float("-inf")), dim=-1)
+        torch.matmul(probs.view(-1, C), kf[:, :latent_dims], out=out[t0:t1].view(-1, latent_dims))
+    return out.to(q.dtype)
 
 
 def yarn_mscales(scaling: RopeScaling | None) -> tuple[float | None, float]:
@@ -92,11 +103,12 @@ class MultiLatentAttention:
         if load.g.has(p + "attn_kv_b.weight"):
             raise GGUFError(f"{load.g.path.name}: tensor {p}attn_kv_b.weight is the pre-MLA-split layout; "
                             "re-convert with a current llama.cpp convert_hf_to_gguf.py (attn_k_b/attn_v_b)")
-        q_a = load.optional(p + "attn_q_a.weight")
+        q_a = load.linear_optional(p + "attn_q_a.weight")
         return MLAWeights(
-            q=load(p + ("attn_q_b.weight" if q_a is not None else "attn_q.weight")),
-            kv_a=load(p + "attn_kv_a_mqa.weight"), kv_a_norm=load.norm(p + "attn_kv_a_norm.weight"),
-            k_b=load(p + "attn_k_b.weight"), v_b=load(p + "attn_v_b.weight"), out=load(p + "attn_output.weight"),
+            q=load.linear(p + ("attn_q_b.weight" if q_a is not None else "attn_q.weight")),
+            kv_a=load.linear(p + "attn_kv_a_mqa.weight"), kv_a_norm=load.norm(p + "attn_kv_a_norm.weight"),
+            k_b=load(p + "attn_k_b.weight"), v_b=load(p + "attn_v_b.weight"),
+            out=load.linear(p + "attn_output.weight"),
             q_a=q_a, q_a_norm=load.norm(p + "attn_q_a_norm.weight") if q_a is not None else None,
         )
 
@@ -107,13 +119,16 @@ class MultiLatentAttention:
                  kv: KVCache) -> torch.Tensor:
         """h [T, hidden] -> attention output [T, hidden]; writes this step's latents to the cache."""
         c = self.cfg
+        if isinstance(w.kv_a, QuantLinear):
+            h = h.float()  # what the quantized routes take: converted once
         q_nope, q_rope = self._query(w, h).split([self.nope_dims, self.rope_dims], dim=-1)
         latent, k_rope = linear(h, w.kv_a).split([c.kv_lora_rank, self.rope_dims], dim=-1)
         latent = rms_norm(latent, w.kv_a_norm, c.norm_eps)
         k_rope = self.rope(k_rope[:, None, :], batch.positions)[:, 0]
         kv.write(i, batch.new_slots, **{LATENT_ENTRY: torch.cat((latent, k_rope), dim=-1)})
         # q_nope·(W_k c) = (W_kᵀ q_nope)·c: the query moves into latent space, the cache stays small.
-        q = torch.cat((torch.einsum("thn,hln->thl", q_nope, w.k_b), self.rope(q_rope, batch.positions)), dim=-1)
+        q_latent = torch.einsum("thn,hln->thl", q_nope.to(w.k_b.dtype), w.k_b)
+        q = torch.cat((q_latent, self.rope(q_rope, batch.positions).to(q_latent.dtype)), dim=-1)
         out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             ctx = kv.read(i, s.context_slots)[LATENT_ENTRY]

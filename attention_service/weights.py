@@ -1,7 +1,9 @@
-"""Non-expert weights of a GGUF model, dequantized at load onto the attention device.
+"""Non-expert weights of a GGUF model, loaded onto the attention device.
 
 Tensor names are llama.cpp's (`blk.N.attn_q.weight`, ...). The router and norms stay float32,
-because routing decisions and normalisation are where low precision hurts most.
+because routing decisions and normalisation are where low precision hurts most. Linear weights
+and the token embedding are dense tensors, or in the fast mode (bfloat16 on the CPU) the file's
+quantized blocks (kernels/linear.py: QuantLinear, QuantEmbedding); see weight_loader.py.
 """
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import torch
 
 from attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
 from attention_service.weight_loader import WeightLoader
+from kernels.linear import LinearWeight, QuantEmbedding
 from modelfile.gguf_file import GGUFError, GGUFFile
 from modelfile.hparams import ModelConfig
 
 
 @dataclass
 class DenseFFNWeights:
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: LinearWeight
+    up: LinearWeight
+    down: LinearWeight
 
 
 @dataclass
@@ -46,22 +49,24 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    token_embedding: torch.Tensor
+    token_embedding: torch.Tensor | QuantEmbedding  # `[ids]` gives rows; `.dtype` is the compute dtype
     layers: list[LayerWeights]
     output_norm: torch.Tensor
-    output: torch.Tensor
+    output: LinearWeight
 
 
 def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> ModelWeights:
     load = WeightLoader(g, dtype, device)
-    embedding = load("token_embd.weight")
-    output = load.optional("output.weight")
+    embedding = load.embedding("token_embd.weight")
+    output = load.linear_optional("output.weight")
+    if output is None:  # tied embeddings: the same tensor, or a QuantLinear over the same blocks
+        output = embedding if isinstance(embedding, torch.Tensor) else load.linear("token_embd.weight")
     return ModelWeights(
         token_embedding=embedding,
         layers=[_load_layer(load, spec, cfg, i) for i in range(cfg.num_layers)],
         output_norm=load.norm("output_norm.weight"),
-        output=embedding if output is None else output,  # tied embeddings
+        output=output,
     )
 
 
@@ -78,8 +83,9 @@ def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) ->
 
 
 def _load_dense(load: WeightLoader, p: str, suffix: str) -> DenseFFNWeights:
-    return DenseFFNWeights(gate=load(f"{p}ffn_gate{suffix}.weight"), up=load(f"{p}ffn_up{suffix}.weight"),
-                           down=load(f"{p}ffn_down{suffix}.weight"))
+    return DenseFFNWeights(gate=load.linear(f"{p}ffn_gate{suffix}.weight"),
+                           up=load.linear(f"{p}ffn_up{suffix}.weight"),
+                           down=load.linear(f"{p}ffn_down{suffix}.weight"))
 
 
 def _load_moe(load: WeightLoader, spec: ArchSpec, p: str) -> MoEWeights:

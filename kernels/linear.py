@@ -1,0 +1,271 @@
+"""Linear layers over weights kept as the GGUF stores them: the attention service's fast mode.
+
+A weight is either a dense torch tensor (float32 mode, F32/F16/BF16 tensors, non-CPU devices) or
+a `QuantLinear`: the file's blocks (a read-only view of the mmap, no copy) computed on at call
+time. `linear(x, w, bias)` dispatches on which:
+
+* few rows (<= SMALL_BATCH_ROWS, decode): the native int8 kernel `kernels.native.matmul`, which
+  reads each weight byte once and quantizes the activations to int8 per block as ggml does;
+* many rows (prefill): the weight is dequantized in row chunks into a reused per-thread scratch
+  buffer and multiplied by torch's GEMM in `gemm_dtype()`: bfloat16 where the CPU computes it
+  natively (AVX512-BF16, AMX), float32 elsewhere (a bfloat16 GEMM without hardware support is
+  2-3x slower than float32). The chunks keep the scratch small; no dense copy is ever kept.
+* no native kernel for the type (or no native library at all): a dense copy in the model's dtype
+  is made once at load, exactly what the bfloat16 mode did before quantized linears existed, so
+  falling back never costs more memory or time than that.
+
+A quantized linear returns float32 (the native kernel's output): callers round where they store.
+`QuantEmbedding` is the token embedding's counterpart: only the looked-up rows are dequantized.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from kernels.quants import QuantTensor, dequantize
+
+log = logging.getLogger("splitmoe.kernels")
+
+# Up to this many rows go through the native int8 kernel, more through dequantize + GEMM.
+# Measured on the benchmark model's Q4_K projections (Skylake-SP, AVX-512BW without VNNI, one
+# thread): the int8 kernel costs ~0.4 ms per row of a 4096x2048 weight beyond the first few,
+# dequantize + float32 GEMM ~12 ms + 0.3 ms per row, so the int8 kernel stays faster up to
+# ~64-96 rows here (more with VNNI). The threshold is lower on purpose: rows past a decode batch
+# are prompt tokens, and the GEMM route computes them on the exact weights without rounding the
+# activations to int8 (whose ~1% per-product error flips near-tied expert choices: see
+# tests/attention_service/test_fixtures.py). 17-64-row decode batches pay up to ~1.5x for that.
+SMALL_BATCH_ROWS = 16
+# Elements dequantized per chunk on the GEMM route: 2M float32 values (8 MiB) per thread.
+CHUNK_ELEMS = 1 << 21
+
+DENSE_TYPES = frozenset({int(T.F32), int(T.F16), int(T.BF16)})
+
+_UNSET = object()
+_native_module = _UNSET
+_scratch = threading.local()
+_warned_types: set[int] = set()
+
+
+def native():
+    """kernels.native when its library loaded, else None (imported on first use, never raising)."""
+    global _native_module
+    if _native_module is _UNSET:
+        try:
+            from kernels import native as module
+        except Exception as e:  # noqa: BLE001 - a broken native module must not stop serving
+            log.warning("kernels.native cannot be imported, using the torch fallback: %s", e)
+            module = None
+        _native_module = module if module is not None and module.AVAILABLE else None
+    return _native_module
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX; Arm BF16)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return any(bool(caps.get(name)) for name in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
+
+
+def gemm_dtype() -> torch.dtype:
+    """The dtype of the many-rows route's dequantized chunks and GEMM."""
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def is_block_quantized(ggml_type: int) -> bool:
+    return int(ggml_type) not in DENSE_TYPES
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(max(numel, CHUNK_ELEMS), dtype=dtype)
+    return buf[:numel]
+
+
+class QuantLinear:
+    """A 2-D [out_features, in_features] weight kept quantized, with its routes (module doc)."""
+
+    def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
+        if len(qt.shape) != 2:
+            raise ValueError(f"tensor {qt.name!r}: a linear weight must be 2-D, not {list(qt.shape)}")
+        if not is_block_quantized(qt.ggml_type):
+            raise ValueError(f"tensor {qt.name!r}: {qt.type_name} is dense, load it as a tensor")
+        self.qt = qt
+        self.shape = torch.Size(qt.shape)
+        self.dtype = dtype  # the model's; what a fallback dense copy is stored in
+        self.device = torch.device("cpu")
+        nat = native()
+        self._native = nat if nat is not None and nat.supports(qt.ggml_type) else None
+        self._native_dequantize = self._native is not None and _can_dequantize(nat, qt)
+        self._direct = _direct_matmul(nat, qt) if self._native is not None else None
+        self._chunks = self._row_chunks() if self._native is not None else []
+        # Only when no native kernel covers this type: the dense copy the fallback computes with.
+        self.dense = None
+        if self._native is None:
+            if nat is not None and qt.ggml_type not in _warned_types:
+                _warned_types.add(qt.ggml_type)
+                log.warning("no native matmul for %s: its weights (%s, ...) are kept as dense %s copies",
+                            qt.type_name, qt.name, str(dtype).removeprefix("torch."))
+            self.dense = dequantize(qt).to(dtype)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def route(self) -> str:
+        """"native" (int8 kernel for few rows, dequantize + GEMM for many) or "dense" (fallback)."""
+        return "dense" if self.dense is not None else "native"
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.num_bytes if self.dense is None else self.dense.numel() * self.dense.element_size()
+
+    def __repr__(self) -> str:
+        return f"QuantLinear({self.qt.name!r}, {self.qt.type_name}, {list(self.shape)}, route={self.route})"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in_features] (any float dtype) -> float32 [..., out_features]."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        if self.dense is not None:
+            y = F.linear(x2.to(self.dense.dtype), self.dense).float()
+        elif m <= SMALL_BATCH_ROWS:
+            if x2.dtype != torch.float32 or not x2.is_contiguous():
+                x2 = x2.float().contiguous()
+            y = self._direct(x2) if self._direct is not None else self._native.matmul(x2, self.qt)
+        else:
+            y = self._dequantize_gemm(x2)
+        if bias is not None:
+            y += bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
+
+    def _dequantize_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = gemm_dtype()
+        x = x.to(dtype)
+        k = self.shape[1]
+        out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+        for start, end, part in self._chunks:
+            w = _scratch_buffer((end - start) * k, dtype).view(end - start, k)
+            if self._native_dequantize:
+                self._native.dequantize(part, dtype=dtype, out=w)
+            else:
+                w.copy_(dequantize(part))
+            if len(self._chunks) == 1 and dtype == torch.float32:
+                torch.mm(x, w.t(), out=out)
+            else:
+                out[:, start:end] = torch.mm(x, w.t())
+        return out
+
+    def _row_chunks(self) -> list[tuple[int, int, QuantTensor]]:
+        """(first row, end row, those rows as a QuantTensor view) of at most CHUNK_ELEMS values each."""
+        n, k = self.shape
+        rows = max(1, CHUNK_ELEMS // k)
+        q = self.qt
+        bounds = [(a, min(n, a + rows)) for a in range(0, n, rows)]
+        return [(a, b, QuantTensor(q.name, q.ggml_type, (b - a, k), q.data[a:b])) for a, b in bounds]
+
+
+_MATMUL_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                    ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+
+def _direct_matmul(nat, qt: QuantTensor):
+    """native.matmul for this one weight with its checks done once: a decode step makes a few
+    hundred of these calls, and the per-call checks cost more than a small projection's work.
+
+    Relies on the library's C entry point as kernels/native.py declares it; where that
+    declaration is not the one expected (the native module changed), None: native.matmul is used.
+    """
+    fn = getattr(getattr(nat, "_lib", None), "smk_matmul", None)
+    declared = list(getattr(fn, "argtypes", None) or ())
+    if fn is None or declared != _MATMUL_ARGTYPES or fn.restype is not ctypes.c_int:
+        return None
+    try:
+        data, n, k, row_bytes = nat._rows(qt, "matmul")
+        ptr = nat._ptr(data)
+    except (AttributeError, ValueError):
+        return None
+    ggml_type = int(qt.ggml_type)
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:  # x: contiguous float32 [m, k]
+        if x.shape[1] != k:
+            raise ValueError(f"matmul: x has {x.shape[1]} columns, {qt.name!r} rows have {k}")
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        if m and fn(ggml_type, ptr, row_bytes, n, k, x.data_ptr(), k, m, out.data_ptr()) != 0:
+            raise ValueError(f"matmul: native kernel refused tensor {qt.name!r}")
+        return out
+
+    matmul.data = data  # the storage the pointer is into stays alive with the closure
+    return matmul
+
+
+def _can_dequantize(nat, qt: QuantTensor) -> bool:
+    try:
+        nat.dequantize(qt, rows=torch.zeros(1, dtype=torch.long))
+    except ValueError:
+        return False
+    return True
+
+
+class QuantEmbedding:
+    """A token embedding [vocab, hidden] kept quantized: `emb[ids]` dequantizes only those rows.
+
+    `dtype` is the model's compute dtype (what the transformer runs its activations in); rows come
+    back float32, the exact dequantized values.
+    """
+
+    def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
+        if len(qt.shape) != 2:
+            raise ValueError(f"tensor {qt.name!r}: an embedding must be 2-D, not {list(qt.shape)}")
+        self.qt = qt
+        self.shape = torch.Size(qt.shape)
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+        nat = native()
+        self._native = nat if nat is not None and _can_dequantize(nat, qt) else None
+
+    def __repr__(self) -> str:
+        return f"QuantEmbedding({self.qt.name!r}, {self.qt.type_name}, {list(self.shape)})"
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        flat = ids.reshape(-1).cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise IndexError(f"token id out of range for {self.qt.name!r} with {self.shape[0]} rows")
+        if self._native is not None:
+            rows = self._native.dequantize(self.qt, rows=flat)
+        else:
+            q = self.qt
+            picked = q.data[flat.numpy()]  # copies just those rows' blocks
+            rows = dequantize(QuantTensor(q.name, q.ggml_type, (flat.numel(), self.shape[1]), picked))
+        return rows.view(*ids.shape, self.shape[1])
+
+
+LinearWeight = torch.Tensor | QuantLinear  # what `linear` takes: a dense tensor or the file's blocks
+
+
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight.T (+ bias): torch for a dense weight (in its dtype), else QuantLinear's
+    routes (float32 out)."""
+    if isinstance(weight, torch.Tensor):
+        if x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        if bias is not None and bias.dtype != weight.dtype:
+            bias = bias.to(weight.dtype)
+        return F.linear(x, weight, bias)
+    return weight(x, bias)
