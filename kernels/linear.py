@@ -19,7 +19,6 @@ A quantized linear returns float32 (the native kernel's output): callers round w
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
@@ -106,7 +105,7 @@ class QuantLinear:
         nat = native()
         self._native = nat if nat is not None and nat.supports(qt.ggml_type) else None
         self._native_dequantize = self._native is not None and _can_dequantize(nat, qt)
-        self._direct = _direct_matmul(nat, qt) if self._native is not None else None
+        self._matmul = nat.WeightMatmul(qt) if self._native is not None else None
         self._chunks = self._row_chunks() if self._native is not None else []
         # Only when no native kernel covers this type: the dense copy the fallback computes with.
         self.dense = None
@@ -146,7 +145,7 @@ class QuantLinear:
         elif m <= SMALL_BATCH_ROWS:
             if x2.dtype != torch.float32 or not x2.is_contiguous():
                 x2 = x2.float().contiguous()
-            y = self._direct(x2) if self._direct is not None else self._native.matmul(x2, self.qt)
+            y = self._matmul(x2)
         else:
             y = self._dequantize_gemm(x2)
         if bias is not None:
@@ -177,41 +176,6 @@ class QuantLinear:
         q = self.qt
         bounds = [(a, min(n, a + rows)) for a in range(0, n, rows)]
         return [(a, b, QuantTensor(q.name, q.ggml_type, (b - a, k), q.data[a:b])) for a, b in bounds]
-
-
-_MATMUL_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                    ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-
-
-def _direct_matmul(nat, qt: QuantTensor):
-    """native.matmul for this one weight with its checks done once: a decode step makes a few
-    hundred of these calls, and the per-call checks cost more than a small projection's work.
-
-    Relies on the library's C entry point as kernels/native.py declares it; where that
-    declaration is not the one expected (the native module changed), None: native.matmul is used.
-    """
-    fn = getattr(getattr(nat, "_lib", None), "smk_matmul", None)
-    declared = list(getattr(fn, "argtypes", None) or ())
-    if fn is None or declared != _MATMUL_ARGTYPES or fn.restype is not ctypes.c_int:
-        return None
-    try:
-        data, n, k, row_bytes = nat._rows(qt, "matmul")
-        ptr = nat._ptr(data)
-    except (AttributeError, ValueError):
-        return None
-    ggml_type = int(qt.ggml_type)
-
-    def matmul(x: torch.Tensor) -> torch.Tensor:  # x: contiguous float32 [m, k]
-        if x.shape[1] != k:
-            raise ValueError(f"matmul: x has {x.shape[1]} columns, {qt.name!r} rows have {k}")
-        m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
-        if m and fn(ggml_type, ptr, row_bytes, n, k, x.data_ptr(), k, m, out.data_ptr()) != 0:
-            raise ValueError(f"matmul: native kernel refused tensor {qt.name!r}")
-        return out
-
-    matmul.data = data  # the storage the pointer is into stays alive with the closure
-    return matmul
 
 
 def _can_dequantize(nat, qt: QuantTensor) -> bool:

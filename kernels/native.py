@@ -197,30 +197,43 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
     return x.contiguous()
 
 
+class WeightMatmul:
+    """`matmul` against one weight, its checks done once: a decode step makes a few hundred calls
+    per weight set, and checking the weight each time costs more than a small projection's work."""
+
+    def __init__(self, w: QuantTensor) -> None:
+        _need()
+        if not isinstance(w, QuantTensor) or len(w.shape) != 2:
+            raise ValueError(f"matmul: w must be a 2-D QuantTensor, got "
+                             f"{getattr(w, 'shape', type(w).__name__)}")
+        if not supports(w.ggml_type):
+            raise ValueError(f"matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
+        self.name, self._type = w.name, int(w.ggml_type)
+        self._data, self.n, self.k, self._row_bytes = _rows(w, "matmul")  # _data keeps the mmap view alive
+        self._ptr = _ptr(self._data)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        x = _check_x(x, self.k, "matmul")
+        m, n = x.shape[0], self.n
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        else:
+            _check_out(out, (m, n), torch.float32, "matmul")
+        if m == 0 or n == 0:
+            return out
+        rc = _lib.smk_matmul(self._type, self._ptr, self._row_bytes, n, self.k, x.data_ptr(), self.k, m,
+                             out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"matmul: native kernel refused tensor {self.name!r} (code {rc})")
+        return out
+
+
 def matmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [m, n] = x [m, k] @ dequantize(w [n, k]).T, activations quantized to int8 per 32.
 
     Meant for small m (decode): each weight row is read once and dotted with every row of x.
     """
-    _need()
-    if not isinstance(w, QuantTensor) or len(w.shape) != 2:
-        raise ValueError(f"matmul: w must be a 2-D QuantTensor, got "
-                         f"{getattr(w, 'shape', type(w).__name__)}")
-    if not supports(w.ggml_type):
-        raise ValueError(f"matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
-    data, n, k, row_bytes = _rows(w, "matmul")
-    x = _check_x(x, k, "matmul")
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    else:
-        _check_out(out, (m, n), torch.float32, "matmul")
-    if m == 0 or n == 0:
-        return out
-    rc = _lib.smk_matmul(int(w.ggml_type), _ptr(data), row_bytes, n, k, x.data_ptr(), k, m, out.data_ptr())
-    if rc != 0:
-        raise ValueError(f"matmul: native kernel refused tensor {w.name!r} (code {rc})")
-    return out
+    return WeightMatmul(w)(x, out)
 
 
 def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,

@@ -160,10 +160,9 @@ def test_dense_weights_keep_torch_semantics():
     assert torch.equal(linear(x, w32, b), torch.nn.functional.linear(x, w32, b))
 
 
-def test_direct_call_matches_native_matmul(native_module):
+def test_prepared_weight_matches_native_matmul(native_module):
     qt = quant_tensor(T.Q4_K, 33, 512)
     lin = QuantLinear(qt)
-    assert lin._direct is not None, "kernels/native.py changed its C declaration: update _direct_matmul"
     x = torch.randn(4, 512)
     assert torch.equal(lin(x), native_module.matmul(x, qt))
     with pytest.raises(ValueError):
