@@ -5,6 +5,7 @@ Starting a service is mostly importing torch, so a test module starts all it nee
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 from tests.support.processes import free_port, spawn, wait_grpc_serving
@@ -35,8 +36,20 @@ class ExpertServices:
         self.procs[name].wait()
 
     def pause(self, name: str) -> None:
-        """SIGSTOP: connections stay open, nothing is answered (a hung service)."""
-        self.procs[name].send_signal(signal.SIGSTOP)
+        """SIGSTOP: connections stay open, nothing is answered (a hung service).
+
+        kill() only queues the signal: wait until the kernel shows every thread stopped, so that a
+        hop sent next cannot be answered by a thread that had not stopped yet.
+        """
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGSTOP)
+        task_dir = Path(f"/proc/{proc.pid}/task")
+        deadline_s = time.monotonic() + 5
+        while time.monotonic() < deadline_s:
+            states = [_task_state(t) for t in task_dir.iterdir()] if task_dir.exists() else []
+            if states and all(state in "Tt" for state in states):
+                return
+            time.sleep(0.005)
 
     def resume(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGCONT)
@@ -50,3 +63,11 @@ class ExpertServices:
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
+
+
+def _task_state(task: Path) -> str:
+    try:
+        # "pid (comm) S ...": the state follows the last ')' (comm may hold spaces or parens).
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "T"  # the thread is gone: nothing there to answer
