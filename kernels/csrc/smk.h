@@ -33,8 +33,8 @@ TypeInfo type_info(int type);
 // Rows are padded with zero blocks to a multiple of 64 values (kpad), so 64-value kernels never
 // read past a row's end for the activations.
 //
-// The AVX-512 k-quant kernels also read a second, permuted copy (filled only by their ISA's
-// quantize, and only when k is a multiple of 256; other ISAs leave it unwritten and never read it):
+// The AVX-512 k-quant and MXFP4 kernels also read a second, permuted copy (filled only by their ISA's
+// quantize, for the whole 256-value groups of a row; other ISAs leave it unwritten and never read it):
 //   qp[256S + 64c + 8s + j] = q[256S + 32s + 8c + j]   (S super-block, c 0..3, s 0..7, j 0..7)
 //              i.e. each 64-byte quarter holds 8 values of every 32-block, so the four maddubs
 //              results of a super-block can be summed in int16 before one madd with the
