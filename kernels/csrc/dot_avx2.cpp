@@ -200,7 +200,7 @@ void q6k_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
 template <bool Q5> struct TK45 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { k45_tile<Q5, NT>(r, k / 256, a, o); } };
 struct TQ6 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { q6k_tile<NT>(r, k / 256, a, o); } };
 template <class Tl>
-void rows_k(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
+void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
     float res[4];
     for (int r = r0; r < r1; ++r) {
         const uint8_t* row = w + size_t(r) * wstride;
@@ -243,23 +243,8 @@ void tile(const uint8_t* row, int nblk, const Act* A, float* res) {
     }
 }
 
-template <class Dec>
-void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
-    float res[4];
-    for (int r = r0; r < r1; ++r) {
-        const uint8_t* row = w + size_t(r) * wstride;
-        for (int t0 = 0; t0 < m; t0 += 4) {
-            const int nt = m - t0 < 4 ? m - t0 : 4;
-            switch (nt) {
-                case 4: tile<Dec, 4>(row, k / 32, acts + t0, res); break;
-                case 3: tile<Dec, 3>(row, k / 32, acts + t0, res); break;
-                case 2: tile<Dec, 2>(row, k / 32, acts + t0, res); break;
-                default: tile<Dec, 1>(row, k / 32, acts + t0, res); break;
-            }
-            for (int t = 0; t < nt; ++t) out[size_t(t0 + t) * ostride + (r - r0)] = res[t];
-        }
-    }
-}
+// The 32-value formats through the same row driver as the k-quants.
+template <class Dec> struct TBlk { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { tile<Dec, NT>(r, k / 32, a, o); } };
 
 void quantize_rows256(const float* x, size_t xstride, int n, int k, uint8_t* rec) {
     const size_t kp = act_kpad(k), rb = act_bytes(k);
@@ -326,15 +311,15 @@ void smk::init_avx2(Kernels& K) {
     using namespace avx2;
     K.name = "avx2";
     K.quantize = quantize_rows256;
-    K.dot[T_Q4_K] = rows_k<TK45<false>>;
-    K.dot[T_Q5_K] = rows_k<TK45<true>>;
-    K.dot[T_Q6_K] = rows_k<TQ6>;
-    K.dot[T_Q8_0] = rows<D_Q8_0>;
-    K.dot[T_Q4_0] = rows<D_Q4_0>;
-    K.dot[T_Q4_1] = rows<D_Q4_1>;
-    K.dot[T_Q5_0] = rows<D_Q5_0>;
-    K.dot[T_Q5_1] = rows<D_Q5_1>;
-    K.dot[T_MXFP4] = rows<D_MXFP4>;
+    K.dot[T_Q4_K] = rows<TK45<false>>;
+    K.dot[T_Q5_K] = rows<TK45<true>>;
+    K.dot[T_Q6_K] = rows<TQ6>;
+    K.dot[T_Q8_0] = rows<TBlk<D_Q8_0>>;
+    K.dot[T_Q4_0] = rows<TBlk<D_Q4_0>>;
+    K.dot[T_Q4_1] = rows<TBlk<D_Q4_1>>;
+    K.dot[T_Q5_0] = rows<TBlk<D_Q5_0>>;
+    K.dot[T_Q5_1] = rows<TBlk<D_Q5_1>>;
+    K.dot[T_MXFP4] = rows<TBlk<D_MXFP4>>;
 }
 
 #endif  // x86
