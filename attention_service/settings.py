@@ -10,7 +10,7 @@ class AttentionSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     served_model_name: str = ""  # default: the GGUF file's stem
-    dtype: str = "float32"
+    dtype: str = "bfloat16"  # the fast path; float32 is the exact reference
     device: str = ""  # default: cuda when present, else cpu
     kv_cache_tokens: int = 16384
     kv_block_tokens: int = 16

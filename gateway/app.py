@@ -78,6 +78,18 @@ async def metrics(raw: Request) -> Response:
     return Response(content=await ops.metrics_text(), media_type=CONTENT_TYPE)
 
 
+@router.get("/")
+@router.get("/v1")
+async def index(raw: Request) -> Response:
+    """The URLs `splitmoe up` prints answer: what is served here and where the API's routes are."""
+    model: ServedModel = raw.app.state.model
+    name = await model.resolve(None)  # an error while loading: the index still answers
+    routes = sorted({(method, route.path) for route in router.routes for method in getattr(route, "methods", ())})
+    return JSONResponse({"object": "splitmoe.index", "model": name if isinstance(name, str) else None,
+                         "openai_base_url": "/v1",
+                         "routes": [f"{method} {path}" for method, path in routes]})
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -18,6 +18,7 @@ from typing import Iterable, Mapping, NamedTuple
 import torch
 
 from kernels import expert_kernels as ek
+from kernels.cpu_features import gemm_dtype
 from kernels.int4pack import can_repack
 from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
 from kernels.quants import QuantTensor, dequantize
@@ -130,7 +131,7 @@ def _log_fast_path(fast: Mapping[int, ek.FastMoELayer], ffns_by_layer: Mapping[i
     n_native = sum(layer.native_experts for layer in fast.values())
     n_int4 = sum(len(layer.int4) for layer in fast.values())
     n_dense = total - n_native - n_int4
-    dtype = ek.default_compute_dtype()
+    dtype = gemm_dtype()
     if use_native:
         how = (f"native kernels ({ek.native.isa()}, {ek.native.get_num_threads()} threads) on {n_native} experts, "
                f"read in place from the GGUF, nothing repacked, up to {ek.NATIVE_MAX_TOKENS.get(dtype, 0)} "

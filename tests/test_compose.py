@@ -257,3 +257,7 @@ def test_healthcheck_over_http_wants_200():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_attention_serves_the_fast_path_by_default(compose):
+    assert parse_cli(compose["services"]["attention"]["command"]).dtype == "bfloat16"

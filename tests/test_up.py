@@ -143,6 +143,21 @@ def test_plan_wires_experts_into_attention_and_attention_into_the_gateway():
     assert "sekret" not in json.dumps(redact(gateway.argv))
 
 
+def test_up_hands_the_attention_options_to_the_attention_service():
+    from splitmoe.commands.up import _settings
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "m.gguf", "--dtype", "float32", "--kv-cache-tokens", "999",
+                              "--max-batch-tokens", "128", "--served-model-name", "mine", "--local-experts", "2",
+                              "--reasoning-format", "none", "--experts-per-token", "4"])
+    child = parser.parse_args(attention_spec(_settings(args), 5003, []).argv[4:])
+    assert (child.dtype, child.kv_cache_tokens, child.max_batch_tokens, child.served_model_name) == \
+        ("float32", 999, 128, "mine")
+    assert (child.local_experts, child.reasoning_format, child.experts_per_token) == (2, "none", 4)
+    defaults = parser.parse_args(attention_spec(_settings(parser.parse_args(["up", "m.gguf"])), 5003, []).argv[4:])
+    assert defaults.dtype == "bfloat16" and defaults.kv_cache_tokens == 16384
+
+
 def test_no_expert_services_keeps_the_experts_in_the_attention_process():
     spec = attention_spec(UpSettings(model_path="/m/x.gguf", num_expert_services=0), 5003, [])
     assert build_parser().parse_args(spec.argv[4:]).expert_services == ()

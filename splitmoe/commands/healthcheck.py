@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("healthcheck", help="exit 0 when a gRPC (HOST:PORT) or HTTP (URL) service is healthy")
     p.add_argument("target", help="HOST:PORT of a gRPC service, or an http(s):// URL that must answer 200")
     p.add_argument("--service", default="", help="gRPC health service name (default: the whole server)")
-    p.add_argument("--timeout-s", type=float, default=3.0)
+    p.add_argument("--timeout-s", type=float, default=3.0, help="how long the check may take")
     p.set_defaults(run=run)
 
 

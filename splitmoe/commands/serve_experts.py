@@ -29,7 +29,7 @@ def _cpu_list(text: str) -> frozenset[int]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-experts", help="host a shard of a GGUF file's routed experts over gRPC")
     p.add_argument("model", help="path to a GGUF file (memory-mapped; only this shard's bytes are read)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="gRPC port")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     p.add_argument("--layers", type=_index_range, help="block indices to host, A-B inclusive (default: all MoE layers)")
     p.add_argument("--experts", type=_index_range, help="expert ids to host, X-Y inclusive (default: all)")

@@ -7,8 +7,8 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-gateway", help="serve the OpenAI-compatible HTTP API in front of an attention service")
     p.add_argument("--attention", required=True, metavar="HOST:PORT", help="the attention service's gRPC address")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPLITMOE_API_KEY, else open)")
     p.add_argument("--served-model-name", default=None,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from splitmoe.commands.serve_attention import add_serving_options, serving_options_argv
+
 if TYPE_CHECKING:
     from splitmoe.supervisor import ServiceSpec, Supervisor
 
@@ -33,6 +35,7 @@ class UpSettings:
     port: int = 8000                   # the gateway's; 0 picks a free one
     threads: int = 0                   # split between the expert services; 0: the CPUs we may use
     api_key: str | None = None
+    attention_options: tuple[str, ...] = ()  # serve-attention's serving options, as arguments
     run_dir: str = ""                  # default: <cache>/splitmoe/runs/<time>-<pid>
     startup_timeout_s: float = 300.0   # per stage: loading a large model's shard takes a while
     stop_grace_s: float = 10.0         # per stage, between SIGTERM and SIGKILL
@@ -65,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=300.0,
                    help="how long each stage may take to become healthy")
     p.add_argument("--stop-grace-s", type=float, default=10.0, help="how long a stopping service gets before SIGKILL")
+    add_serving_options(p)
     p.set_defaults(run=run)
 
 
@@ -101,7 +105,8 @@ def _settings(args: argparse.Namespace) -> UpSettings:
 
         model = str(demo_model_path())
     return UpSettings(model_path=model, num_expert_services=args.expert_services, host=args.host, port=args.port,
-                      threads=args.threads, api_key=args.api_key, run_dir=args.run_dir,
+                      threads=args.threads, api_key=args.api_key,
+                      attention_options=tuple(serving_options_argv(args)), run_dir=args.run_dir,
                       startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s)
 
 
@@ -182,6 +187,7 @@ def attention_spec(settings: UpSettings, port: int, expert_addresses: list[str])
         argv += ["--expert-services", ",".join(expert_addresses)]
     if settings.threads:
         argv += ["--threads", str(settings.threads)]
+    argv += settings.attention_options
     detail = "" if expert_addresses else ", experts in-process"
     return ServiceSpec("attention", tuple(argv), address, lambda: GrpcHealthProbe(address), detail=detail)
 
@@ -232,6 +238,6 @@ def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
 
 
 def ready_banner(base_url: str, model_id: str, api_key: str | None) -> str:
-    return (f"\nSplitMoE is up: {base_url}/v1  (model {model_id!r}; OpenAI-compatible)\n"
+    return (f"\nSplitMoE is up: {base_url}/v1  (model {model_id!r}; the base URL for OpenAI clients)\n"
             f"Try:\n  {curl_example(base_url, model_id, api_key)}\n"
             f"Ctrl-C stops every service.\n")

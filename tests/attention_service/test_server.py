@@ -19,7 +19,8 @@ PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i i
 def service(demo_gguf, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "attention.log"
-    args = ["serve-attention", str(demo_gguf), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64"]
+    args = ["serve-attention", str(demo_gguf), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64",
+            "--dtype", "float32"]  # compared with the float32 runner token for token
     with grpc_service(args, port, log):
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         yield attention_pb2_grpc.AttentionServiceStub(channel)
