@@ -46,8 +46,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, "", (), argparse.SUPPRESS):
-            return text
+        if "default" in text or action.nargs == 0 or action.default in (None, "", (), argparse.SUPPRESS):
+            return text  # a switch (nargs 0) says what it does when given
         return f"{text} (default: %(default)s)"
 
 

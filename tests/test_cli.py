@@ -27,7 +27,7 @@ def test_every_flag_has_help_and_its_default_shows(path, parser):
         if action.dest in ("help", "version") or isinstance(action, argparse._SubParsersAction):
             continue
         assert action.help, f"splitmoe {' '.join(path)} {action.option_strings or action.dest}: no help line"
-        if action.default not in (None, False, argparse.SUPPRESS):
+        if action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
             shown = parser._get_formatter()._get_help_string(action) % vars(action)
             assert "default" in shown, f"{action.option_strings}: default {action.default!r} not shown"
             assert shown.split("(default")[0].strip() in " ".join(text.split())
