@@ -14,6 +14,8 @@ from attention_service.batch import SeqSlice, StepBatch
 from attention_service.kv_cache import KVCache
 from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
+from kernels import native
+from kernels.decode_attention import decode_attention
 from kernels.linear import LinearWeight, QuantLinear
 from modelfile.hparams import ModelConfig
 
@@ -23,6 +25,17 @@ if TYPE_CHECKING:
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
 SCORES_PER_CHUNK = 1 << 22
+# Steps in which no sequence brings more new tokens than this take the native decode attention
+# (fast mode on the CPU); more rows (prompts) are matrix products, which torch's GEMMs do better.
+NATIVE_DECODE_ROWS = 4
+
+
+def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
+    """Whether this step's attention runs as one native call per layer (kernels.decode_attention):
+    the fast mode's bfloat16 cache on the CPU, in decode-sized steps. The float32 mode keeps the
+    torch path, the exact reference."""
+    return (kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and native.AVAILABLE
+            and 0 < batch.max_new_tokens <= NATIVE_DECODE_ROWS)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
@@ -177,6 +190,11 @@ class MultiHeadAttention:
         q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
         kv.write(i, batch.new_slots, k=k, v=v)
         window = self.window_tokens(i)
+        if use_native_decode(batch, kv):
+            pools = kv.pools(i)
+            out = decode_attention(batch.attention_context, q, pools["k"], pools["v"], self.scale,
+                                   window_tokens=window, sinks=w.sinks)
+            return linear(out.flatten(1), w.out, w.out_bias)
         parts, one = [], len(batch.seqs) == 1
         for s in batch.seqs:
             first = _first_visible_position(s, window)

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attention_service.attention import use_native_decode
 from attention_service.batch import StepBatch
 from attention_service.kv_cache import KVCache
 from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
+from kernels.decode_attention import decode_attention
 from kernels.linear import LinearWeight, QuantLinear
 from modelfile.gguf_file import GGUFError
 from modelfile.hparams import ModelConfig, RopeScaling
@@ -129,6 +131,10 @@ class MultiLatentAttention:
         # q_nope·(W_k c) = (W_kᵀ q_nope)·c: the query moves into latent space, the cache stays small.
         q_latent = torch.einsum("thn,hln->thl", q_nope.to(w.k_b.dtype), w.k_b)
         q = torch.cat((q_latent, self.rope(q_rope, batch.positions).to(q_latent.dtype)), dim=-1)
+        if use_native_decode(batch, kv):
+            out = decode_attention(batch.attention_context, q, kv.pools(i)[LATENT_ENTRY], None, self.scale,
+                                   value_dims=c.kv_lora_rank).to(q.dtype)
+            return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
         out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             ctx = kv.read(i, s.context_slots)[LATENT_ENTRY]

@@ -50,11 +50,14 @@ std::once_flag g_init_once;
 void init_tables() {
     g_best = detect_isa();
     init_scalar(g_tables[ISA_SCALAR]);
+    init_attention_scalar(g_tables[ISA_SCALAR]);
 #ifdef SMK_X86
     g_tables[ISA_AVX2] = g_tables[ISA_SCALAR];
     init_avx2(g_tables[ISA_AVX2]);
+    init_attention_avx2(g_tables[ISA_AVX2]);
     g_tables[ISA_AVX512] = g_tables[ISA_AVX2];
     init_avx512(g_tables[ISA_AVX512]);
+    init_attention_avx512(g_tables[ISA_AVX512]);
     g_tables[ISA_VNNI] = g_tables[ISA_AVX512];
     init_avx512vnni(g_tables[ISA_VNNI]);
 #endif
