@@ -43,3 +43,10 @@ def test_frequency_penalty_moves_away_from_repeats():
 def test_out_of_range_options_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingOptions(**bad)
+
+
+def test_no_logprob_work_unless_asked():
+    s = RequestSampler(SamplingOptions(temperature=0.0), 5)(logits())
+    assert (s.token_id, s.logprob, s.top) == (1, None, ())
+    asked = RequestSampler(SamplingOptions(temperature=0.0, logprobs=True), 5)(logits())
+    assert asked.logprob == pytest.approx(float(torch.log_softmax(logits(), -1)[1]))
