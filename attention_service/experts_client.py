@@ -30,6 +30,7 @@ from attention_service.expert_service_client import (ConnectionSettings, ExpertR
                                                      Hop, HopFailed)
 from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
 from modelfile.gguf_file import GGUFFile
+from splitmoe.cluster_auth import ClusterSecurity
 
 __all__ = ["ExpertBackend", "ExpertsHandle", "Ready", "InProcessExperts", "RemoteExperts", "RemoteExpertsSettings",
            "ExpertsUnavailable", "ExpertRequestError", "ServiceHealth", "HopStats"]
@@ -125,6 +126,7 @@ class RemoteExpertsSettings:
     local_layers: int = 0                      # the first N MoE layers' experts run in-process (--n-cpu-moe)
     max_message_bytes: int = 1 << 30           # 1 GiB: a long prefill's hidden states in one message
     shm_initial_bytes: int = 4 << 20           # per connection; grows to the largest request
+    security: ClusterSecurity = ClusterSecurity()  # the secret every call and doorbell carries; TLS
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -140,7 +142,7 @@ class RemoteExpertsSettings:
 
     def connection(self) -> ConnectionSettings:
         return ConnectionSettings(self.expert_timeout_s, self.connect_timeout_s, self.transport,
-                                  self.max_message_bytes, self.shm_initial_bytes)
+                                  self.max_message_bytes, self.shm_initial_bytes, self.security)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,8 @@ class RemoteExperts:
         all_layers = moe_layers(g)
         self._local_layers = frozenset(all_layers[:settings.local_layers])
         self._local = ExpertShard(g, layers=sorted(self._local_layers)) if self._local_layers else None
-        self._clients = [ExpertServiceClient(a, settings.connection()) for a in resolve_addresses(settings.addresses)]
+        self._clients = [ExpertServiceClient(address, settings.connection(), server_name=host)
+                         for address, host in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
         # The data path, one thread at a time: every connection's hops are answered in order.
         self._lock = threading.Lock()
@@ -388,17 +391,18 @@ class _LayerCall:
 
 # ---- startup --------------------------------------------------------------------------------
 
-def resolve_addresses(addresses: Sequence[str]) -> list[str]:
-    """One address per service. A name resolving to several IPs stands for all of them: that is
-    how `docker compose --scale expert=N` presents N replicas behind the one name `expert`."""
-    resolved: list[str] = []
+def resolve_addresses(addresses: Sequence[str]) -> list[tuple[str, str]]:
+    """(address to dial, host name as given) per service. A name resolving to several IPs stands
+    for all of them: that is how `docker compose --scale expert=N` presents N replicas behind the
+    one name `expert`; their TLS certificates name `expert`, not an IP."""
+    resolved: dict[str, str] = {}
     for address in addresses:
         host, _, port = address.rpartition(":")
-        ips = _resolve(host.strip("[]"), port)
+        host = host.strip("[]")
+        ips = _resolve(host, port)
         for each in ([address] if len(ips) <= 1 else [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]):
-            if each not in resolved:
-                resolved.append(each)
-    return resolved
+            resolved.setdefault(each, host)
+    return list(resolved.items())
 
 
 def _resolve(host: str, port: str) -> list[str]:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splitmoe import settings as process_settings
+from splitmoe.cluster_auth import ClusterSecurity
 
 # The fallback of --api-key (llama-server reads LLAMA_API_KEY the same way).
 ENV_API_KEY = "SPLITMOE_API_KEY"
@@ -28,6 +29,7 @@ class GatewaySettings:
     graceful_shutdown_s: float = 30.0      # in-flight requests get this long to finish on SIGTERM
     otlp_endpoint: str | None = None
     log_level: str = "info"
+    cluster: ClusterSecurity = ClusterSecurity()  # the secret (and TLS) of calls to the attention service
 
     def __post_init__(self) -> None:
         if ":" not in self.attention_address:

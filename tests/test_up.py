@@ -32,7 +32,7 @@ from splitmoe.commands.up import (
     gateway_spec,
     split_threads,
 )
-from splitmoe.supervisor import GrpcHealthProbe, ServiceFailed, ServiceSpec, Supervisor, redact
+from splitmoe.supervisor import GrpcHealthProbe, ServiceFailed, ServiceSpec, Supervisor
 from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,9 +138,21 @@ def test_plan_wires_experts_into_attention_and_attention_into_the_gateway():
     assert parser.parse_args(attention.argv[4:]).expert_services == ("127.0.0.1:5001", "127.0.0.1:5002")
     gateway = gateway_spec(settings, 8080, attention.address)
     args = parser.parse_args(gateway.argv[4:])
-    assert (args.attention, args.host, args.port, args.api_key) == ("127.0.0.1:5003", "0.0.0.0", 8080, "sekret")
+    assert (args.attention, args.host, args.port) == ("127.0.0.1:5003", "0.0.0.0", 8080)
     assert gateway.address == "http://127.0.0.1:8080"  # what a local client connects to
-    assert "sekret" not in json.dumps(redact(gateway.argv))
+
+
+def test_secrets_reach_the_children_in_their_environment_never_on_a_command_line():
+    settings = UpSettings(model_path="/m/x.gguf", api_key="sekret-api-key")
+    other = UpSettings(model_path="/m/x.gguf")
+    assert len(settings.cluster_token) >= 32 and settings.cluster_token != other.cluster_token  # fresh per run
+    specs = [*expert_specs(settings, 8, [5001, 5002]), attention_spec(settings, 5003, ["127.0.0.1:5001"]),
+             gateway_spec(settings, 8080, "127.0.0.1:5003")]
+    for spec in specs:
+        assert spec.env["SPLITMOE_CLUSTER_TOKEN"] == settings.cluster_token, spec.name
+        assert not {settings.cluster_token, "sekret-api-key"} & set(spec.argv), spec.name
+        assert settings.cluster_token not in repr(spec) + repr(settings)
+    assert [s.env.get("SPLITMOE_API_KEY") for s in specs] == [None, None, None, "sekret-api-key"]
 
 
 def test_no_expert_services_keeps_the_experts_in_the_attention_process():

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 
+from splitmoe.commands.cluster_flags import add_cluster_flags, cluster_security
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("healthcheck", help="exit 0 when a gRPC (HOST:PORT) or HTTP (URL) service is healthy")
     p.add_argument("target", help="HOST:PORT of a gRPC service, or an http(s):// URL that must answer 200")
     p.add_argument("--service", default="", help="gRPC health service name (default: the whole server)")
     p.add_argument("--timeout-s", type=float, default=3.0)
+    add_cluster_flags(p, serves=False, calls=True)
     p.set_defaults(run=run)
 
 
@@ -21,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from splitmoe.supervisor import probe_for
 
     try:
-        probe = probe_for(args.target, args.service)
+        probe = probe_for(args.target, args.service, cluster_security(args))
     except ValueError as e:
         print(f"splitmoe healthcheck: {e}")
         return 1  # Docker reserves exit code 2; anything but 0 means unhealthy

@@ -13,10 +13,11 @@ import torch
 from attention_service.experts_client import ExpertRequestError, ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
 from modelfile.gguf_file import GGUFFile
 from tests.support.expert_services import ExpertServices
+from tests.support.processes import CLUSTER
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 TIMEOUT_S = 1.0
-FAST = dict(expert_timeout_s=TIMEOUT_S, connect_timeout_s=0.5, reconnect_interval_s=0.2)
+FAST = dict(expert_timeout_s=TIMEOUT_S, connect_timeout_s=0.5, reconnect_interval_s=0.2, security=CLUSTER)
 
 
 @pytest.fixture(scope="module")

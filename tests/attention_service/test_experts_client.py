@@ -24,12 +24,13 @@ from modelfile.experts import ExpertKey
 from modelfile.gguf_file import GGUFFile
 from proto import attention_pb2
 from tests.support.expert_services import ExpertServices
-from tests.support.processes import free_port
+from tests.support.processes import CLUSTER, free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 PROMPT = [5, 17, 30, 42, 7, 99, 250, 3, 11, 64, 128, 200, 271, 0]
 OPTIONS = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=64)
-FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0)
+FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0,
+            security=CLUSTER)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +230,8 @@ def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
 
     monkeypatch.setattr(socket, "getaddrinfo", compose_dns)
     assert resolve_addresses(["expert:50061", "127.0.0.1:7", "localhost:8"]) == [
-        "172.18.0.3:50061", "172.18.0.4:50061", "127.0.0.1:7", "localhost:8"]
+        ("172.18.0.3:50061", "expert"), ("172.18.0.4:50061", "expert"), ("127.0.0.1:7", "127.0.0.1"),
+        ("localhost:8", "localhost")]
 
 
 # ---- replicas -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from attention_service.generate import greedy_tokens
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from proto import attention_pb2 as pb
 from proto import attention_pb2_grpc
-from tests.support.processes import free_port, grpc_service
+from tests.support.processes import cluster_channel, free_port, grpc_service
 
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
 
@@ -21,7 +21,7 @@ def service(demo_gguf, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "attention.log"
     args = ["serve-attention", str(demo_gguf), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64"]
     with grpc_service(args, port, log):
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        channel = cluster_channel(f"127.0.0.1:{port}")
         yield attention_pb2_grpc.AttentionServiceStub(channel)
         channel.close()
 

@@ -1,4 +1,8 @@
-"""Start our services as real processes on loopback ports, and wait until they are healthy."""
+"""Start our services as real processes on loopback ports, and wait until they are healthy.
+
+Every service a test starts holds the same cluster secret (`CLUSTER`), handed over in the
+environment as `splitmoe up` does; tests call them through `cluster_channel`, which presents it.
+"""
 from __future__ import annotations
 
 import os
@@ -12,7 +16,16 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.settings import CLUSTER_TOKEN_ENV
+
 REPO = Path(__file__).resolve().parents[2]
+CLUSTER = ClusterSecurity(token="tests-cluster-secret-0123456789")
+
+
+def cluster_channel(address: str) -> grpc.Channel:
+    """A channel to one of our services that presents the tests' cluster secret."""
+    return CLUSTER.channel(address)
 
 
 def free_port() -> int:
@@ -39,7 +52,7 @@ def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Po
 
 def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     log = open(log_path, "wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", CLUSTER_TOKEN_ENV: CLUSTER.token}
     return subprocess.Popen([sys.executable, "-m", "splitmoe", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env)
 
