@@ -176,6 +176,20 @@ class ExpertServiceClient:
         log.info("expert service %s is back (%s)", self.address, self.transport)
         return True
 
+    def check_shard(self) -> None:
+        """Mark a healthy service unhealthy once it no longer hosts what the placement relies on
+        it for (someone loaded another shard into it, or emptied it): its hops would compute
+        nothing for those experts. A revive then loads the shard again into an empty service."""
+        link = self._conn.link
+        if not self.healthy or self.shard.is_empty:
+            return
+        try:
+            reported = self.describe(self.settings.connect_timeout_s)
+        except grpc.RpcError:
+            return  # a service that does not answer is the link's to detect (EOF, hop deadline)
+        if not reported.covers(self.shard):
+            self.mark_unhealthy(link, f"it hosts {reported.label()}, the placement needs {self.shard.label()}")
+
     def mark_unhealthy(self, link: Link | None, error: str) -> None:
         """The link failed: drop it (only if it is still the current one) and report why."""
         if link is not None and link is not self._conn.link:
@@ -253,7 +267,7 @@ class ExpertServiceClient:
         reported = self.describe(self.settings.connect_timeout_s)
         if reported.is_empty and not self.shard.is_empty:
             reported = self.load_shard(self.shard.layers, self.shard.experts)
-        if (reported.layers, reported.experts) != (self.shard.layers, self.shard.experts):
+        if not reported.covers(self.shard):
             raise ValueError(f"came back hosting {reported.label()}, expected {self.shard.label()}")
 
     def _open_link_locked(self) -> None:

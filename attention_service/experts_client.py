@@ -120,7 +120,7 @@ class RemoteExpertsSettings:
     addresses: tuple[str, ...]                 # host:port of every expert service (replicas included)
     expert_timeout_s: float = 10.0             # deadline of every hop and every control RPC
     connect_timeout_s: float = 1.0             # one reconnect attempt to a service marked unhealthy
-    reconnect_interval_s: float = 1.0          # how often unhealthy services are retried in the background
+    reconnect_interval_s: float = 1.0          # how often unhealthy services are retried, healthy ones' shards checked
     startup_wait_s: float = 60.0               # how long startup waits for services to come up
     transport: str = "auto"                    # auto: shared memory with services on this host, else gRPC
     local_layers: int = 0                      # the first N MoE layers' experts run in-process (--n-cpu-moe)
@@ -290,9 +290,15 @@ class RemoteExperts:
         return "; ".join(f"{c.address} ({c.last_error})" for c in self._clients if not c.healthy)
 
     def _reconnect_loop(self) -> None:
+        """Every reconnect_interval_s: revive the unhealthy services, and check that the healthy
+        ones still host their part of the placement (health, and so /health, reports coverage)."""
         while not self._stop.wait(self.settings.reconnect_interval_s):
             for client in self._clients:
-                if not client.healthy and not self._stop.is_set():
+                if self._stop.is_set():
+                    return
+                if client.healthy:
+                    client.check_shard()
+                else:
                     client.revive()
 
 

@@ -16,6 +16,7 @@ from modelfile.experts import ExpertKey, ExpertShard
 from modelfile.gguf_file import GGUFFile
 from proto import codec, doorbell, expert_pb2, expert_pb2_grpc
 from proto.shm import ShmRegion
+from splitmoe.cluster_auth import ClusterSecurity
 from tests.support.processes import CLUSTER, cluster_channel, free_port, grpc_service, spawn, wait_grpc_serving
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -23,12 +24,17 @@ HIDDEN = 64
 
 
 @pytest.fixture(scope="module")
-def service(demo_gguf, tmp_path_factory):
+def service_address(demo_gguf, tmp_path_factory):
     port = free_port()
     args = ["serve-experts", str(demo_gguf), "--port", str(port), "--experts", "0-3", "--threads", "1"]
     with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "experts.log"):
-        with cluster_channel(f"127.0.0.1:{port}") as channel:
-            yield expert_pb2_grpc.ExpertServiceStub(channel)
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def service(service_address):
+    with cluster_channel(service_address) as channel:
+        yield expert_pb2_grpc.ExpertServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +83,32 @@ def test_health_and_shard_description(service, demo_gguf):
     assert info.file_id == f"demo.gguf:{demo_gguf.stat().st_size}"
     assert info.num_bytes == ExpertShard(GGUFFile(demo_gguf), experts=range(4)).num_bytes
     assert info.hostname
+
+
+@pytest.mark.parametrize("secret", [None, "a-wrong-cluster-secret-0123456789"], ids=["no-secret", "wrong-secret"])
+def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service, service_address, secret):
+    channel = grpc.insecure_channel(service_address) if secret is None else \
+        ClusterSecurity(token=secret).channel(service_address)
+    with channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        calls = {
+            "DescribeShard": lambda: stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10),
+            "LoadShard": lambda: stub.LoadShard(expert_pb2.LoadShardRequest(layers=[], experts=[]), timeout=10),
+            "GetStats": lambda: stub.GetStats(expert_pb2.StatsRequest(), timeout=10),
+            "Forward": lambda: next(stub.Forward(iter([request(0, *routing(2))]), timeout=10)),
+            "Health.Watch": lambda: next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10)),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert "cluster secret" in refused.value.details(), name
+        # Probes carry no secret: Check is open, and says no more than SERVING.
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    # The refused LoadShard emptied nothing.
+    info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -293,8 +325,20 @@ def test_sigterm_drains_and_exits_cleanly(demo_gguf, tmp_path):
     assert f"ready on 127.0.0.1:{port}: demo.gguf layers 1, experts 0-7" in log
 
 
-def test_bad_command_lines_fail_with_one_line(demo_gguf, tmp_path):
+def test_bad_command_lines_fail_with_one_line(demo_gguf, tmp_path, monkeypatch, capsys):
     from splitmoe.cli import main
 
     assert main(["serve-experts", str(demo_gguf), "--port", "1", "--unassigned", "--experts", "0-3"]) == 2
     assert main(["serve-experts", str(tmp_path / "missing.gguf"), "--port", "1"]) == 2
+    monkeypatch.delenv("SPLITMOE_CLUSTER_TOKEN", raising=False)
+    capsys.readouterr()
+    # No secret: every caller is admitted, so only callers on this host may reach it.
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--host", "0.0.0.0"]) == 2
+    assert "--host 0.0.0.0: listening beyond loopback needs the cluster secret" in capsys.readouterr().err
+    (tmp_path / "short").write_text("tooshort\n")
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--cluster-token-file", str(tmp_path / "short")]) == 2
+    assert "at least 16" in capsys.readouterr().err
+    monkeypatch.setenv("SPLITMOE_CLUSTER_TOKEN", CLUSTER.token)
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--host", "0.0.0.0", "--tls-cert",
+                 str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.pem")]) == 2
+    assert "--tls-cert" in capsys.readouterr().err
