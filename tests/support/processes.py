@@ -34,9 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
+                      security: ClusterSecurity | None = None) -> None:
+    """Until health Check says SERVING: asked without the secret, as probes do (a TLS service
+    needs `security`'s CA)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (security or ClusterSecurity()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
