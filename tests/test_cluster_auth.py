@@ -67,6 +67,21 @@ def test_the_secret_never_shows_in_what_is_printed():
     assert security.describe_server() == "the cluster secret required, TLS with client certificates"
 
 
+def test_cluster_token_writes_a_private_file_once_and_keeps_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SPLITMOE_CLUSTER_TOKEN", raising=False)
+    path = tmp_path / "cluster-token"
+    assert main(["cluster-token", str(path)]) == 0
+    made = path.read_text()
+    assert len(made.strip()) >= 32 and (path.stat().st_mode & 0o777) == 0o600
+    assert main(["cluster-token", str(path)]) == 0 and path.read_text() == made  # compose restarts keep it
+    monkeypatch.setenv("SPLITMOE_CLUSTER_TOKEN", TOKEN)
+    assert main(["cluster-token", str(path)]) == 0 and path.read_text() == TOKEN + "\n"  # the operator's own
+    monkeypatch.setenv("SPLITMOE_CLUSTER_TOKEN", "short")
+    assert main(["cluster-token", str(path)]) == 2 and path.read_text() == TOKEN + "\n"
+    printed = capsys.readouterr()
+    assert TOKEN not in printed.out + printed.err and made.strip() not in printed.out + printed.err
+
+
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True),
                                             ("localhost", True), ("0.0.0.0", False), ("::", False),
                                             ("10.0.0.5", False), ("expert", False)])
