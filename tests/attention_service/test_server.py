@@ -5,14 +5,13 @@ import time
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_service.generate import greedy_tokens
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from proto import attention_pb2 as pb
 from proto import attention_pb2_grpc
-from splitmoe.cluster_auth import ClusterSecurity
-from tests.support.processes import cluster_channel, free_port, grpc_service
+from tests.support.processes import (assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
+                                    stranger_channel)
 
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
 
@@ -48,23 +47,14 @@ def generate(stub, ids, max_tokens=12, **sampling):
 
 @pytest.mark.parametrize("secret", [None, "a-wrong-cluster-secret-0123456789"], ids=["no-secret", "wrong-secret"])
 def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service_address, secret):
-    channel = grpc.insecure_channel(service_address) if secret is None else \
-        ClusterSecurity(token=secret).channel(service_address)
-    with channel:
+    with stranger_channel(service_address, secret) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
-        health = health_pb2_grpc.HealthStub(channel)
-        calls = {
+        assert_refused_but_probes_pass(channel, {
             "Generate": lambda: next(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), timeout=10)),
             "Score": lambda: stub.Score(pb.ScoreRequest(token_ids=pb.TokenIds(ids=[5, 6])), timeout=10),
             "ModelInfo": lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10),
             "GetStats": lambda: stub.GetStats(pb.AttentionStatsRequest(), timeout=10),
-            "Health.Watch": lambda: next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10)),
-        }
-        for name, call in calls.items():
-            with pytest.raises(grpc.RpcError) as refused:
-                call()
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        })
 
 
 def test_greedy_generation_equals_the_single_process_reference(service, runner):

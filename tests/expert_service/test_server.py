@@ -16,8 +16,8 @@ from modelfile.experts import ExpertKey, ExpertShard
 from modelfile.gguf_file import GGUFFile
 from proto import codec, doorbell, expert_pb2, expert_pb2_grpc
 from proto.shm import ShmRegion
-from splitmoe.cluster_auth import ClusterSecurity
-from tests.support.processes import CLUSTER, cluster_channel, free_port, grpc_service, spawn, wait_grpc_serving
+from tests.support.processes import (CLUSTER, assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
+                                    spawn, stranger_channel, wait_grpc_serving)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 HIDDEN = 64
@@ -87,25 +87,14 @@ def test_health_and_shard_description(service, demo_gguf):
 
 @pytest.mark.parametrize("secret", [None, "a-wrong-cluster-secret-0123456789"], ids=["no-secret", "wrong-secret"])
 def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service, service_address, secret):
-    channel = grpc.insecure_channel(service_address) if secret is None else \
-        ClusterSecurity(token=secret).channel(service_address)
-    with channel:
+    with stranger_channel(service_address, secret) as channel:
         stub = expert_pb2_grpc.ExpertServiceStub(channel)
-        health = health_pb2_grpc.HealthStub(channel)
-        calls = {
+        assert_refused_but_probes_pass(channel, {
             "DescribeShard": lambda: stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10),
             "LoadShard": lambda: stub.LoadShard(expert_pb2.LoadShardRequest(layers=[], experts=[]), timeout=10),
             "GetStats": lambda: stub.GetStats(expert_pb2.StatsRequest(), timeout=10),
             "Forward": lambda: next(stub.Forward(iter([request(0, *routing(2))]), timeout=10)),
-            "Health.Watch": lambda: next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10)),
-        }
-        for name, call in calls.items():
-            with pytest.raises(grpc.RpcError) as refused:
-                call()
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
-            assert "cluster secret" in refused.value.details(), name
-        # Probes carry no secret: Check is open, and says no more than SERVING.
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        })
     # The refused LoadShard emptied nothing.
     info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
     assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])

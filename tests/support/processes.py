@@ -12,6 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +27,27 @@ CLUSTER = ClusterSecurity(token="tests-cluster-secret-0123456789")
 def cluster_channel(address: str) -> grpc.Channel:
     """A channel to one of our services that presents the tests' cluster secret."""
     return CLUSTER.channel(address)
+
+
+def stranger_channel(address: str, secret: str | None) -> grpc.Channel:
+    """A channel without the tests' cluster secret: none (`secret` None) or another one."""
+    return grpc.insecure_channel(address) if secret is None else ClusterSecurity(token=secret).channel(address)
+
+
+def assert_refused_but_probes_pass(channel: grpc.Channel, calls: dict[str, Callable[[], object]]) -> None:
+    """Every call (by name) fails UNAUTHENTICATED, and so does health Watch; health Check, which
+    probes use without a secret, answers SERVING."""
+    health = health_pb2_grpc.HealthStub(channel)
+    calls = {**calls, "Health.Watch": lambda: next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))}
+    for name, call in calls.items():
+        try:
+            call()
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED, f"{name}: {e.code()} {e.details()}"
+            assert "cluster secret" in e.details(), name
+        else:
+            raise AssertionError(f"{name} answered a caller without the cluster secret")
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
 
 def free_port() -> int:
