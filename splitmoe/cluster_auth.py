@@ -21,26 +21,17 @@ from __future__ import annotations
 import collections
 import hmac
 import ipaddress
-import logging
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import grpc
 
-log = logging.getLogger(__name__)
-
 METADATA_KEY = "authorization"
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 MIN_TOKEN_CHARS = 16
 REFUSED = "missing or wrong cluster secret (SPLITMOE_CLUSTER_TOKEN or --cluster-token-file)"
 ChannelOptions = Sequence[tuple[str, object]]
-
-
-def new_token() -> str:
-    """A fresh random cluster secret (256 bits, URL-safe text)."""
-    return secrets.token_urlsafe(32)
 
 
 def read_secret_file(path: Path, what: str) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,6 +19,11 @@ CLUSTER_TOKEN_ENV = "SPLITMOE_CLUSTER_TOKEN"
 def cluster_token() -> str:
     """The cluster secret every RPC between the services carries; empty when none is set."""
     return os.environ.get(CLUSTER_TOKEN_ENV, "")
+
+
+def new_cluster_token() -> str:
+    """A fresh random cluster secret (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
 
 
 def cache_dir() -> Path:

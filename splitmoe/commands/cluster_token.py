@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from splitmoe import settings
-    from splitmoe.cluster_auth import ClusterSecurity, new_token, read_secret_file
+    from splitmoe.cluster_auth import ClusterSecurity, read_secret_file
 
     path: Path = args.path
     given = settings.cluster_token().strip()
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         ClusterSecurity(token=read_secret_file(path, "cluster-token"))  # so does a damaged file, named
         print(f"{path}: kept the cluster secret it holds")
         return 0
-    _write_private(path, given or new_token())
+    _write_private(path, given or settings.new_cluster_token())
     print(f"{path}: wrote {'the cluster secret of SPLITMOE_CLUSTER_TOKEN' if given else 'a new random cluster secret'}")
     return 0
 

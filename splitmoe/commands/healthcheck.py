@@ -1,8 +1,8 @@
 """`splitmoe healthcheck TARGET`: exit 0 when a service is healthy, 1 when not (container healthchecks).
 
-TARGET is HOST:PORT for a gRPC service (standard grpc.health.v1: healthy means SERVING) or an
-http(s):// URL that must answer 200 (the gateway's /health). Imports no torch: it runs every few
-seconds inside each container.
+TARGET is HOST:PORT for a gRPC service (standard grpc.health.v1: healthy means SERVING; Check needs
+no cluster secret, a TLS service needs --tls-ca) or an http(s):// URL that must answer 200 (the
+gateway's /health). Imports no torch: it runs every few seconds inside each container.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ attention service pointed at them, then the gateway; each stage waits until it i
 services log into one file each under a run directory (printed at start); the console shows only
 what `up` itself says: which service is ready where, the URL and a curl to paste. Ctrl-C or SIGTERM
 stops everything; a service that dies is named, its log tail shown, and the rest stopped (exit 1).
+The services share a cluster secret (SPLITMOE_CLUSTER_TOKEN if set, else a fresh random one per
+run), and the gateway gets the API key, both in their environment: never on a command line.
 The process management itself lives in `splitmoe.supervisor`.
 """
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from splitmoe.cluster_auth import new_token
 from splitmoe.commands.cluster_flags import add_api_key_flags, api_key
+from splitmoe.settings import new_cluster_token
 
 if TYPE_CHECKING:
     from splitmoe.supervisor import ServiceSpec, Supervisor
@@ -37,7 +39,7 @@ class UpSettings:
     threads: int = 0                   # split between the expert services; 0: the CPUs we may use
     api_key: str | None = field(default=None, repr=False)
     # Handed to every child in its environment (never on a command line): each run its own
-    cluster_token: str = field(default_factory=new_token, repr=False)
+    cluster_token: str = field(default_factory=new_cluster_token, repr=False)
     run_dir: str = ""                  # default: <cache>/splitmoe/runs/<time>-<pid>
     startup_timeout_s: float = 300.0   # per stage: loading a large model's shard takes a while
     stop_grace_s: float = 10.0         # per stage, between SIGTERM and SIGKILL
@@ -110,7 +112,7 @@ def _settings(args: argparse.Namespace) -> UpSettings:
     return UpSettings(model_path=model, num_expert_services=args.expert_services, host=args.host, port=args.port,
                       threads=args.threads, api_key=api_key(args), run_dir=args.run_dir,
                       startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s,
-                      cluster_token=settings.cluster_token() or new_token())
+                      cluster_token=settings.cluster_token() or new_cluster_token())
 
 
 
