@@ -452,8 +452,9 @@ def _describe_all(g: GGUFFile, clients: list[ExpertServiceClient], wait_s: float
         try:
             shard = client.describe(max(deadline_s - time.monotonic(), 0.001), wait_for_ready=True)
         except grpc.RpcError as e:
-            raise ExpertsUnavailable(f"expert service {client.address} did not answer within "
-                                     f"{wait_s:g} s: {e.code().name}: {e.details()}") from None
+            why = (f"did not answer within {wait_s:g} s"
+                   if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE) else "refused us")
+            raise ExpertsUnavailable(f"expert service {client.address} {why}: {e.code().name}: {e.details()}") from None
         _check_same_model(g, client)
         shards.append(shard)
     return shards

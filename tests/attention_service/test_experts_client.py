@@ -23,6 +23,7 @@ from attention_service.server import _add_expert_stats
 from modelfile.experts import ExpertKey
 from modelfile.gguf_file import GGUFFile
 from proto import attention_pb2
+from splitmoe.cluster_auth import ClusterSecurity
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import CLUSTER, free_port
 
@@ -216,6 +217,15 @@ def test_startup_fails_with_one_line_when_a_service_never_answers(demo_gguf):
         with remote(GGUFFile(demo_gguf), silent, startup_wait_s=0.5):
             pass
     assert time.monotonic() - start_s < 5
+
+
+def test_startup_without_the_cluster_secret_fails_with_one_line_saying_so(services, demo_gguf):
+    low = services.address("low")
+    with pytest.raises(ExpertsUnavailable) as e:
+        with remote(GGUFFile(demo_gguf), low, security=ClusterSecurity(token="not-the-cluster-secret-0123")):
+            pass
+    message = str(e.value)
+    assert "\n" not in message and f"{low} refused us: UNAUTHENTICATED" in message and "cluster secret" in message
 
 
 def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
