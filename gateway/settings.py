@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitmoe import settings as process_settings
 from splitmoe.cluster_auth import ClusterSecurity
@@ -21,7 +21,7 @@ class GatewaySettings:
     attention_address: str                 # HOST:PORT of the attention service's gRPC server
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None             # None: no authentication on /v1/*
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication on /v1/*
     served_model_name: str | None = None   # None: the model_id the attention service reports
     request_timeout_s: float = 600.0       # deadline of one Generate/Score call (whole generation)
     probe_timeout_s: float = 5.0           # deadline of ModelInfo/GetStats (health, metrics, /v1/models)
