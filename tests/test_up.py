@@ -155,6 +155,19 @@ def test_secrets_reach_the_children_in_their_environment_never_on_a_command_line
     assert [s.env.get("SPLITMOE_API_KEY") for s in specs] == [None, None, None, "sekret-api-key"]
 
 
+@pytest.mark.parametrize("command", ["up", "serve-gateway"])
+def test_the_api_key_comes_from_a_file(tmp_path, command):
+    from splitmoe.commands.cluster_flags import api_key
+
+    (tmp_path / "key").write_text("from-a-file\n")
+    base = ["serve-gateway", "--attention", "h:1"] if command == "serve-gateway" else ["up"]
+    parser = build_parser()
+    assert api_key(parser.parse_args([*base, "--api-key-file", str(tmp_path / "key")])) == "from-a-file"
+    assert api_key(parser.parse_args(base)) is None
+    with pytest.raises(ValueError, match="give one"):
+        api_key(parser.parse_args([*base, "--api-key-file", str(tmp_path / "key"), "--api-key", "k"]))
+
+
 def test_no_expert_services_keeps_the_experts_in_the_attention_process():
     spec = attention_spec(UpSettings(model_path="/m/x.gguf", num_expert_services=0), 5003, [])
     assert build_parser().parse_args(spec.argv[4:]).expert_services == ()

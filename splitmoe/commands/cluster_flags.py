@@ -20,7 +20,7 @@ def add_cluster_flags(p: argparse.ArgumentParser, serves: bool, calls: bool) -> 
     g.add_argument("--cluster-token-file", type=Path, metavar="PATH",
                    help="file holding the cluster secret that every RPC between the services carries "
                         "(default: $SPLITMOE_CLUSTER_TOKEN; none: " +
-                        ("this service listens on loopback only)" if serves else "calls carry no secret)"))
+                        ("this service may listen on loopback only)" if serves else "calls carry no secret)"))
     roles = []
     if serves:
         roles.append("the certificate this service serves TLS with (its gRPC port then takes TLS only)")
