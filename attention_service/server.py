@@ -201,18 +201,21 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
                 external_stop: threading.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or `external_stop`, for servers run in a thread); in-flight requests
     are drained for up to the grace period."""
+    security = settings.security
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
-                                      ("grpc.max_receive_message_length", 256 << 20)])
+                                      ("grpc.max_receive_message_length", 256 << 20)],
+                             interceptors=security.aio_server_interceptors())
     servicer = AttentionServicer()
     attention_pb2_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{settings.host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    if security.add_port(server, address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
-    log.info("attention service listening on %s, loading %s", address, settings.model_path)
+    log.log(logging.INFO if security.token else logging.WARNING, "attention service listening on %s (%s), loading %s",
+            address, security.describe_server(), settings.model_path)
     stop = _stop_event()
     if external_stop is not None:
         loop = asyncio.get_running_loop()

@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "splitmoe.commands.serve_attention",
     "splitmoe.commands.up",
     "splitmoe.commands.healthcheck",
+    "splitmoe.commands.cluster_token",
     "splitmoe.commands.bench",
 )
 

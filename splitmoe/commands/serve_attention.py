@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from splitmoe.commands.cluster_flags import add_cluster_flags, cluster_security
+
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
@@ -67,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="host:port,... of expert services (default: none, all experts in-process)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     add_serving_options(p)
+    add_cluster_flags(p, serves=True, calls=True)
     p.set_defaults(run=run)
 
 
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting, expert_services=args.expert_services,
         local_expert_layers=args.local_experts, transport=args.transport,
         expert_timeout_s=args.expert_timeout_s, experts_per_token=args.experts_per_token,
-        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format, micro_batches=args.micro_batches)
+        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format, micro_batches=args.micro_batches,
+        security=cluster_security(args))
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

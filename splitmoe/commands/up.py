@@ -5,6 +5,8 @@ attention service pointed at them, then the gateway; each stage waits until it i
 services log into one file each under a run directory (printed at start); the console shows only
 what `up` itself says: which service is ready where, the URL and a curl to paste. Ctrl-C or SIGTERM
 stops everything; a service that dies is named, its log tail shown, and the rest stopped (exit 1).
+The services share a cluster secret (SPLITMOE_CLUSTER_TOKEN if set, else a fresh random one per
+run), and the gateway gets the API key, both in their environment: never on a command line.
 The process management itself lives in `splitmoe.supervisor`.
 """
 from __future__ import annotations
@@ -15,11 +17,13 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from splitmoe.commands.cluster_flags import add_api_key_flags, api_key
 from splitmoe.commands.serve_attention import add_serving_options, serving_options_argv
+from splitmoe.settings import new_cluster_token
 
 if TYPE_CHECKING:
     from splitmoe.supervisor import ServiceSpec, Supervisor
@@ -34,7 +38,9 @@ class UpSettings:
     host: str = "127.0.0.1"            # the gateway's; every other service binds loopback
     port: int = 8000                   # the gateway's; 0 picks a free one
     threads: int = 0                   # split between the expert services; 0: the CPUs we may use
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    # Handed to every child in its environment (never on a command line): each run its own
+    cluster_token: str = field(default_factory=new_cluster_token, repr=False)
     attention_options: tuple[str, ...] = ()  # serve-attention's serving options, as arguments
     run_dir: str = ""                  # default: <cache>/splitmoe/runs/<time>-<pid>
     startup_timeout_s: float = 300.0   # per stage: loading a large model's shard takes a while
@@ -62,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads split between the expert services (default: the CPUs this process may "
                         "use); the attention service gets T too, as it computes while the experts wait")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` at the gateway")
+    add_api_key_flags(p)
     p.add_argument("--run-dir", default="", help="where the services' logs go (default: a new directory "
                                                  "under ~/.cache/splitmoe/runs/)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0,
@@ -99,15 +105,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> UpSettings:
+    from splitmoe import settings
+
     model = args.model
     if model is None:
         from splitmoe.demo_model import demo_model_path
 
         model = str(demo_model_path())
     return UpSettings(model_path=model, num_expert_services=args.expert_services, host=args.host, port=args.port,
-                      threads=args.threads, api_key=args.api_key,
+                      threads=args.threads, api_key=api_key(args),
                       attention_options=tuple(serving_options_argv(args)), run_dir=args.run_dir,
-                      startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s)
+                      startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s,
+                      cluster_token=settings.cluster_token() or new_cluster_token())
 
 
 def _expert_count(model_path: str) -> int:
@@ -174,7 +183,8 @@ def expert_specs(settings: UpSettings, num_experts: int, ports: list[int]) -> li
         argv = (*CHILD_PREFIX, "serve-experts", settings.model_path, "--host", "127.0.0.1", "--port", str(port),
                 "--experts", f"{first}-{last}", "--threads", str(num_threads))
         specs.append(ServiceSpec(f"expert-{i}", argv, address, lambda a=address: GrpcHealthProbe(a),
-                                 detail=f", experts {first}-{last}, {num_threads} thread{'s' * (num_threads != 1)}"))
+                                 detail=f", experts {first}-{last}, {num_threads} thread{'s' * (num_threads != 1)}",
+                                 env=cluster_env(settings)))
     return specs
 
 
@@ -189,18 +199,29 @@ def attention_spec(settings: UpSettings, port: int, expert_addresses: list[str])
         argv += ["--threads", str(settings.threads)]
     argv += settings.attention_options
     detail = "" if expert_addresses else ", experts in-process"
-    return ServiceSpec("attention", tuple(argv), address, lambda: GrpcHealthProbe(address), detail=detail)
+    return ServiceSpec("attention", tuple(argv), address, lambda: GrpcHealthProbe(address), detail=detail,
+                       env=cluster_env(settings))
 
 
 def gateway_spec(settings: UpSettings, port: int, attention_address: str) -> ServiceSpec:
     from splitmoe.supervisor import HttpHealthProbe, ServiceSpec
 
     base_url = f"http://{connect_host(settings.host)}:{port}"
-    argv = [*CHILD_PREFIX, "serve-gateway", "--attention", attention_address, "--host", settings.host,
-            "--port", str(port)]
+    argv = (*CHILD_PREFIX, "serve-gateway", "--attention", attention_address, "--host", settings.host,
+            "--port", str(port))
+    env = cluster_env(settings)
     if settings.api_key:
-        argv += ["--api-key", settings.api_key]
-    return ServiceSpec("gateway", tuple(argv), base_url, lambda: HttpHealthProbe(f"{base_url}/health"))
+        from gateway.settings import ENV_API_KEY
+
+        env[ENV_API_KEY] = settings.api_key
+    return ServiceSpec("gateway", argv, base_url, lambda: HttpHealthProbe(f"{base_url}/health"), env=env)
+
+
+def cluster_env(settings: UpSettings) -> dict[str, str]:
+    """What every child finds in its environment: the cluster secret of this run."""
+    from splitmoe.settings import CLUSTER_TOKEN_ENV
+
+    return {CLUSTER_TOKEN_ENV: settings.cluster_token}
 
 
 def _start(supervisor: Supervisor, settings: UpSettings, num_experts: int) -> None:
