@@ -55,6 +55,7 @@ _VALUE_KINDS: dict[type, tuple[frozenset, str]] = {
     float: (frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}), "a float"),
     bool: (frozenset({GGUFValueType.BOOL}), "a bool"),
     str: (frozenset({GGUFValueType.STRING}), "a string"),
+    list: (frozenset({GGUFValueType.ARRAY}), "an array"),
 }
 
 
@@ -81,7 +82,7 @@ class GGUFFile:
         return value
 
     def value(self, key: str, kind: type, default: Any = _MISSING) -> Any:
-        """`key`'s value, which the file must store as `kind` (int, float, bool or str); `default`
+        """`key`'s value, which the file must store as `kind` (int, float, bool, str or list); `default`
         where the key is absent, and without one a missing key is an error."""
         value_type = self._value_types.get(key)
         if value_type is None:
