@@ -131,4 +131,4 @@ def _check_every_tensor_read(g: GGUFFile, cfg: ModelConfig, used: set[str]) -> N
         if match and int(match.group(1)) >= cfg.num_layers:
             raise GGUFError(f"{g.path.name}: tensor {name!r} is past the last layer "
                             f"({g.arch}.block_count = {cfg.num_layers})")
-        raise GGUFError(f"{g.path.name}: tensor {name!r} is not one a {g.arch} model of these hyper-parameters reads")
+        raise GGUFError(f"{g.path.name}: tensor {name!r} is unknown to a {g.arch} model of these hyper-parameters")

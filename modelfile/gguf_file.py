@@ -187,17 +187,20 @@ def _open(path: Path) -> tuple[np.memmap, _Header]:
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
     try:
+        if path.stat().st_size < _HEADER_BYTES:  # also what np.memmap cannot map: an empty file
+            raise _Unreadable(f"the file is {path.stat().st_size} bytes, shorter than a GGUF header")
         data = np.memmap(path, mode="r")  # np.memmap: tensor views stay views of the page cache
         return data, _parse(memoryview(data))
     except _Rejected as e:
         raise GGUFError(f"{path.name}: {e}") from None
-    except Exception as e:  # _Unreadable, struct.error, ...
-        raise GGUFError(f"{path.name}: not a readable GGUF file, corrupt or truncated ({_one_line(e)})") from None
+    except Exception as e:  # _Unreadable, or the mmap itself failing (an empty file)
+        why = str(e) if isinstance(e, _Unreadable) else _one_line(e)
+        raise GGUFError(f"{path.name}: not a readable GGUF file, corrupt or truncated ({why})") from None
 
 
 def _parse(buf: memoryview) -> _Header:
     r = _Reader(buf)
-    if len(buf) < 24 or struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
+    if struct.unpack_from("<I", buf, 0)[0] != GGUF_MAGIC:
         raise _Unreadable("GGUF magic invalid")
     r.endian = _byte_order(buf)
     r.offset = 8
@@ -227,6 +230,7 @@ def _align(offset: int, alignment: int) -> int:
     return offset + (-offset % alignment)
 
 
+_HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor_count, kv_count
 # The fewest bytes one entry can take, to bound a count by the bytes left before reading on:
 # a key/value is a key length, a value type and at least one byte of value; a tensor info is a
 # name length, n_dims, one dim, a type and an offset.
@@ -300,11 +304,14 @@ class _Reader:
         return self.buf[start:start + n]
 
     def name(self, what: str) -> str:
-        """A key or tensor name: a string that must be UTF-8, since nothing else can be named."""
+        """A key or tensor name: non-empty UTF-8, or errors could not name what they are about."""
         try:
-            return str(self.raw_string(what), "utf-8")
+            name = str(self.raw_string(what), "utf-8")
         except UnicodeDecodeError:
             raise _Rejected(f"{what} is not UTF-8") from None
+        if not name:
+            raise _Rejected(f"{what} is empty")
+        return name
 
 
 def _read_metadata(r: _Reader, kv_count: int) -> tuple[dict[str, Any], dict[str, GGUFValueType], int]:

@@ -15,6 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter
 
 from modelfile.gguf_file import GGUFError, GGUFFile
+from tests.support.gguf_layout import read_layout
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 FIXTURE_FILES = sorted(FIXTURES.glob("*/*.gguf")) if FIXTURES.is_dir() else []
@@ -204,3 +205,159 @@ def test_duplicate_key(tmp_path):
     good = write_gguf(tmp_path / "t.gguf")
     line = open_error(patched(good, tmp_path / "d.gguf", b"test.i8", b"test.u8"))
     assert "duplicate metadata key 'test.u8'" in line
+
+
+# ---- the tensor data layout, counts and lengths (byte patches aimed by tests/support/gguf_layout.py)
+
+
+def demo_patched(demo_gguf: Path, dst: Path, span, value, code: str) -> Path:
+    data = bytearray(demo_gguf.read_bytes())
+    struct.pack_into("<" + code, data, span.start, value)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def demo_layout(demo_gguf):
+    return read_layout(demo_gguf)
+
+
+def test_misaligned_offset(demo_gguf, demo_layout, tmp_path):
+    t = demo_layout.tensors["blk.0.attn_k.weight"]
+    own = t.data.start - demo_layout.data_start
+    line = open_error(demo_patched(demo_gguf, tmp_path / "m.gguf", t.offset, own + 4, "Q"))
+    assert f"tensor 'blk.0.attn_k.weight' at data offset {own + 4} is not aligned to 32 bytes" in line
+
+
+def test_overlapping_tensors(demo_gguf, demo_layout, tmp_path):
+    k, v = demo_layout.tensors["blk.0.attn_k.weight"], demo_layout.tensors["blk.0.attn_v.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "o.gguf", v.offset, k.data.start - demo_layout.data_start, "Q"))
+    assert "tensor 'blk.0.attn_v.weight' overlaps tensor 'blk.0.attn_k.weight'" in line or \
+           "tensor 'blk.0.attn_k.weight' overlaps tensor 'blk.0.attn_v.weight'" in line
+
+
+def test_offset_past_the_data_section(demo_gguf, demo_layout, tmp_path):
+    t = demo_layout.tensors["blk.0.attn_q.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "p.gguf", t.offset, demo_layout.size, "Q"))
+    assert "tensor 'blk.0.attn_q.weight' runs past the end of the file" in line
+
+
+def test_a_tensor_smaller_than_its_bytes_leaves_a_gap(demo_gguf, demo_layout, tmp_path):
+    """Shape and type say 32 floats where the writer put 64: the other 32 belong to no tensor."""
+    t = demo_layout.tensors["blk.0.attn_norm.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "s.gguf", t.dim_fields[0], 32, "Q"))
+    assert "128 bytes after tensor 'blk.0.attn_norm.weight' belong to no tensor" in line
+
+
+def test_a_tensor_larger_than_its_bytes_overlaps_the_next(demo_gguf, demo_layout, tmp_path):
+    t = demo_layout.tensors["blk.0.attn_norm.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "l.gguf", t.dim_fields[0], 128, "Q"))
+    assert "overlaps tensor 'blk.0.attn_norm.weight'" in line
+
+
+def test_a_type_of_another_size_is_caught_by_the_layout(demo_gguf, demo_layout, tmp_path):
+    t = demo_layout.tensors["blk.0.attn_q.weight"]  # Q8_0 -> Q4_0: 18 bytes a block instead of 34
+    line = open_error(demo_patched(demo_gguf, tmp_path / "t.gguf", t.type_id, int(GGMLQuantizationType.Q4_0), "I"))
+    assert "after tensor 'blk.0.attn_q.weight' belong to no tensor" in line
+
+
+def test_a_tensor_count_one_short_leaves_bytes_after_the_last_tensor(demo_gguf, demo_layout, tmp_path):
+    """The dropped tensor info shifts the data section; its bytes are left over at the end."""
+    count = len(demo_layout.tensors) - 1
+    line = open_error(demo_patched(demo_gguf, tmp_path / "c.gguf", demo_layout.tensor_count, count, "Q"))
+    assert "after the last tensor" in line and "belong to no tensor" in line
+
+
+def test_junk_after_the_last_tensor(demo_gguf, tmp_path):
+    path = tmp_path / "j.gguf"
+    path.write_bytes(demo_gguf.read_bytes() + bytes(64))
+    assert "64 bytes after the last tensor, 'output.weight', belong to no tensor" in open_error(path)
+
+
+@pytest.mark.parametrize("n_dims", [0, 5, 2**32 - 1])
+def test_n_dims_out_of_range(demo_gguf, demo_layout, tmp_path, n_dims):
+    t = demo_layout.tensors["blk.0.attn_q.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "n.gguf", t.n_dims, n_dims, "I"))
+    assert f"tensor 'blk.0.attn_q.weight' has {n_dims} dims (GGUF allows 1 to 4)" in line
+
+
+@pytest.mark.parametrize("dim", [0, 2**62])
+def test_dims_zero_or_too_many_elements(demo_gguf, demo_layout, tmp_path, dim):
+    t = demo_layout.tensors["blk.0.attn_q.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "d.gguf", t.dim_fields[1], dim, "Q"))
+    assert "tensor 'blk.0.attn_q.weight' has shape" in line and "every dim must be at least 1" in line
+
+
+def test_rows_not_whole_blocks(demo_gguf, demo_layout, tmp_path):
+    t = demo_layout.tensors["blk.0.attn_q.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "b.gguf", t.dim_fields[0], 48, "Q"))
+    assert "tensor 'blk.0.attn_q.weight' has rows of 48 values, not a whole number of Q8_0 blocks" in line
+
+
+def test_unknown_value_type_names_the_key(demo_gguf, demo_layout, tmp_path):
+    kv = demo_layout.kvs["qwen3moe.block_count"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "v.gguf", kv.type_id, 99, "I"))
+    assert "metadata key 'qwen3moe.block_count' has unknown value type 99" in line
+
+
+def test_an_array_count_beyond_the_file_is_refused_before_reading(demo_gguf, demo_layout, tmp_path):
+    kv = demo_layout.kvs["tokenizer.ggml.token_type"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "a.gguf", kv.count, 2**61, "Q"))
+    assert f"metadata key 'tokenizer.ggml.token_type': item count {2**61} needs at least" in line
+
+
+def test_a_string_length_beyond_the_file(demo_gguf, demo_layout, tmp_path):
+    kv = demo_layout.kvs["general.name"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "s.gguf", kv.string_length, 2**63, "Q"))
+    assert "metadata key 'general.name' runs past the end of the file" in line
+
+
+@pytest.mark.parametrize("field", ["kv_count", "tensor_count"])
+def test_counts_beyond_the_file(demo_gguf, demo_layout, tmp_path, field):
+    line = open_error(demo_patched(demo_gguf, tmp_path / "c.gguf", getattr(demo_layout, field), 2**40, "Q"))
+    assert f"{field} {2**40} needs at least" in line
+
+
+def test_a_key_name_that_is_not_utf8(demo_gguf, demo_layout, tmp_path):
+    kv = demo_layout.kvs["general.name"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "u.gguf", kv.key_name, 0xFF, "B"))
+    assert "metadata key #1 is not UTF-8" in line
+
+
+def test_an_empty_tensor_name(demo_gguf, demo_layout, tmp_path):
+    """The name's bytes then read as n_dims etc.; the error names the tensor by position."""
+    t = demo_layout.tensors["token_embd.weight"]
+    line = open_error(demo_patched(demo_gguf, tmp_path / "e.gguf", t.name_length, 0, "Q"))
+    assert "tensor #0's name is empty" in line
+
+
+def test_arrays_nested_too_deep(tmp_path):
+    w = GGUFWriter(str(tmp_path / "deep.gguf"), "qwen3moe")
+    w.add_array("test.deep", [[[[[1]]]]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert "metadata key 'test.deep' nests arrays more than 4 deep" in open_error(tmp_path / "deep.gguf")
+
+
+def test_typed_reads_name_the_key_and_both_types(tmp_path):
+    g = GGUFFile(write_gguf(tmp_path / "t.gguf"))
+    assert g.value("test.u32", int) == 4_000_000_000 and g.value("test.f32", float) == g.metadata["test.f32"]
+    assert g.value("test.absent", int, 7) == 7 and g.value("test.tokens", list)[0] == "<s>"
+    with pytest.raises(GGUFError, match=r"t.gguf: metadata key 'test.f32' is FLOAT32, expected an integer"):
+        g.value("test.f32", int)
+    with pytest.raises(GGUFError, match=r"metadata key 'test.u8' is UINT8, expected a float"):
+        g.value("test.u8", float)
+    with pytest.raises(GGUFError, match=r"metadata key 'test.bool' is BOOL, expected an integer"):
+        g.value("test.bool", int)
+    with pytest.raises(GGUFError, match=r"missing metadata key 'test.absent'"):
+        g.value("test.absent", int)
+
+
+def test_shape_is_checked_and_leading_ones_do_not_count(tmp_path):
+    g = GGUFFile(write_gguf(tmp_path / "t.gguf"))
+    assert g.tensor("f32", (3, 4)).shape == (3, 4)
+    assert g.tensor("q8", (1, 2, 32)).data.shape == (1, 2, 34)  # ggml's trailing 1, llama-quantize drops it
+    with pytest.raises(GGUFError, match=r"tensor 'f32' has shape \[3, 4\], but the hyper-parameters give \[4, 3\]"):
+        g.tensor("f32", (4, 3))
