@@ -222,43 +222,42 @@ def demo_layout(demo_gguf):
     return read_layout(demo_gguf)
 
 
-def test_misaligned_offset(demo_gguf, demo_layout, tmp_path):
-    t = demo_layout.tensors["blk.0.attn_k.weight"]
-    own = t.data.start - demo_layout.data_start
-    line = open_error(demo_patched(demo_gguf, tmp_path / "m.gguf", t.offset, own + 4, "Q"))
-    assert f"tensor 'blk.0.attn_k.weight' at data offset {own + 4} is not aligned to 32 bytes" in line
+def own_offset(layout, t) -> int:
+    return t.data.start - layout.data_start
+
+
+@pytest.mark.parametrize("tensor, field, value, code, message", [
+    # the offset: aligned, and inside the file
+    ("blk.0.attn_k.weight", "offset", lambda L, t: own_offset(L, t) + 4, "Q", "at data offset {value} is not aligned to 32 bytes"),
+    ("blk.0.attn_q.weight", "offset", lambda L, t: L.size, "Q", "runs past the end of the file"),
+    # the byte size that type and shape give must be the bytes the writer put there
+    ("blk.0.attn_norm.weight", "dim0", 32, "Q", "128 bytes after tensor 'blk.0.attn_norm.weight' belong to no tensor"),
+    ("blk.0.attn_norm.weight", "dim0", 128, "Q", "overlaps tensor 'blk.0.attn_norm.weight'"),
+    ("blk.0.attn_q.weight", "type_id", int(GGMLQuantizationType.Q4_0), "I",  # 18 bytes a block, not 34
+     "after tensor 'blk.0.attn_q.weight' belong to no tensor"),
+    # dims themselves
+    ("blk.0.attn_q.weight", "n_dims", 0, "I", "has 0 dims (GGUF allows 1 to 4)"),
+    ("blk.0.attn_q.weight", "n_dims", 5, "I", "has 5 dims (GGUF allows 1 to 4)"),
+    ("blk.0.attn_q.weight", "n_dims", 2**32 - 1, "I", "has 4294967295 dims (GGUF allows 1 to 4)"),
+    ("blk.0.attn_q.weight", "dim1", 0, "Q", "has shape [0, 64]: every dim must be at least 1"),
+    ("blk.0.attn_q.weight", "dim1", 2**62, "Q", "and at most 2^63-1 elements in all"),
+    ("blk.0.attn_q.weight", "dim0", 48, "Q", "has rows of 48 values, not a whole number of Q8_0 blocks"),
+], ids=["misaligned", "past-the-end", "smaller", "larger", "type-size", "n_dims-0", "n_dims-5", "n_dims-huge",
+        "dim-0", "elements-overflow", "partial-block"])
+def test_a_tensor_info_that_disagrees_with_the_data(demo_gguf, demo_layout, tmp_path, tensor, field, value, code,
+                                                    message):
+    t = demo_layout.tensors[tensor]
+    span = t.dim_fields[int(field[-1])] if field.startswith("dim") else getattr(t, field)
+    value = value(demo_layout, t) if callable(value) else value
+    line = open_error(demo_patched(demo_gguf, tmp_path / "t.gguf", span, value, code))
+    assert f"tensor '{tensor}'" in line and message.format(value=value) in line
 
 
 def test_overlapping_tensors(demo_gguf, demo_layout, tmp_path):
     k, v = demo_layout.tensors["blk.0.attn_k.weight"], demo_layout.tensors["blk.0.attn_v.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "o.gguf", v.offset, k.data.start - demo_layout.data_start, "Q"))
+    line = open_error(demo_patched(demo_gguf, tmp_path / "o.gguf", v.offset, own_offset(demo_layout, k), "Q"))
     assert "tensor 'blk.0.attn_v.weight' overlaps tensor 'blk.0.attn_k.weight'" in line or \
            "tensor 'blk.0.attn_k.weight' overlaps tensor 'blk.0.attn_v.weight'" in line
-
-
-def test_offset_past_the_data_section(demo_gguf, demo_layout, tmp_path):
-    t = demo_layout.tensors["blk.0.attn_q.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "p.gguf", t.offset, demo_layout.size, "Q"))
-    assert "tensor 'blk.0.attn_q.weight' runs past the end of the file" in line
-
-
-def test_a_tensor_smaller_than_its_bytes_leaves_a_gap(demo_gguf, demo_layout, tmp_path):
-    """Shape and type say 32 floats where the writer put 64: the other 32 belong to no tensor."""
-    t = demo_layout.tensors["blk.0.attn_norm.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "s.gguf", t.dim_fields[0], 32, "Q"))
-    assert "128 bytes after tensor 'blk.0.attn_norm.weight' belong to no tensor" in line
-
-
-def test_a_tensor_larger_than_its_bytes_overlaps_the_next(demo_gguf, demo_layout, tmp_path):
-    t = demo_layout.tensors["blk.0.attn_norm.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "l.gguf", t.dim_fields[0], 128, "Q"))
-    assert "overlaps tensor 'blk.0.attn_norm.weight'" in line
-
-
-def test_a_type_of_another_size_is_caught_by_the_layout(demo_gguf, demo_layout, tmp_path):
-    t = demo_layout.tensors["blk.0.attn_q.weight"]  # Q8_0 -> Q4_0: 18 bytes a block instead of 34
-    line = open_error(demo_patched(demo_gguf, tmp_path / "t.gguf", t.type_id, int(GGMLQuantizationType.Q4_0), "I"))
-    assert "after tensor 'blk.0.attn_q.weight' belong to no tensor" in line
 
 
 def test_a_tensor_count_one_short_leaves_bytes_after_the_last_tensor(demo_gguf, demo_layout, tmp_path):
@@ -274,42 +273,19 @@ def test_junk_after_the_last_tensor(demo_gguf, tmp_path):
     assert "64 bytes after the last tensor, 'output.weight', belong to no tensor" in open_error(path)
 
 
-@pytest.mark.parametrize("n_dims", [0, 5, 2**32 - 1])
-def test_n_dims_out_of_range(demo_gguf, demo_layout, tmp_path, n_dims):
-    t = demo_layout.tensors["blk.0.attn_q.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "n.gguf", t.n_dims, n_dims, "I"))
-    assert f"tensor 'blk.0.attn_q.weight' has {n_dims} dims (GGUF allows 1 to 4)" in line
-
-
-@pytest.mark.parametrize("dim", [0, 2**62])
-def test_dims_zero_or_too_many_elements(demo_gguf, demo_layout, tmp_path, dim):
-    t = demo_layout.tensors["blk.0.attn_q.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "d.gguf", t.dim_fields[1], dim, "Q"))
-    assert "tensor 'blk.0.attn_q.weight' has shape" in line and "every dim must be at least 1" in line
-
-
-def test_rows_not_whole_blocks(demo_gguf, demo_layout, tmp_path):
-    t = demo_layout.tensors["blk.0.attn_q.weight"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "b.gguf", t.dim_fields[0], 48, "Q"))
-    assert "tensor 'blk.0.attn_q.weight' has rows of 48 values, not a whole number of Q8_0 blocks" in line
-
-
-def test_unknown_value_type_names_the_key(demo_gguf, demo_layout, tmp_path):
-    kv = demo_layout.kvs["qwen3moe.block_count"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "v.gguf", kv.type_id, 99, "I"))
-    assert "metadata key 'qwen3moe.block_count' has unknown value type 99" in line
-
-
-def test_an_array_count_beyond_the_file_is_refused_before_reading(demo_gguf, demo_layout, tmp_path):
-    kv = demo_layout.kvs["tokenizer.ggml.token_type"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "a.gguf", kv.count, 2**61, "Q"))
-    assert f"metadata key 'tokenizer.ggml.token_type': item count {2**61} needs at least" in line
-
-
-def test_a_string_length_beyond_the_file(demo_gguf, demo_layout, tmp_path):
-    kv = demo_layout.kvs["general.name"]
-    line = open_error(demo_patched(demo_gguf, tmp_path / "s.gguf", kv.string_length, 2**63, "Q"))
-    assert "metadata key 'general.name' runs past the end of the file" in line
+@pytest.mark.parametrize("key, field, value, code, message", [
+    ("qwen3moe.block_count", "type_id", 99, "I", "metadata key 'qwen3moe.block_count' has unknown value type 99"),
+    ("tokenizer.ggml.token_type", "item_type", 99, "I",
+     "metadata key 'tokenizer.ggml.token_type''s items has unknown value type 99"),
+    ("tokenizer.ggml.token_type", "count", 2**61, "Q",  # refused before a list of 2^61 is started
+     f"metadata key 'tokenizer.ggml.token_type': item count {2**61} needs at least {2**63} bytes"),
+    ("tokenizer.ggml.tokens", "count", 2**61, "Q", f"'tokenizer.ggml.tokens': item count {2**61} needs at least"),
+    ("general.name", "string_length", 2**63, "Q", "metadata key 'general.name' runs past the end of the file"),
+    ("general.name", "key_name", 0xFF, "B", "metadata key #1 is not UTF-8"),
+], ids=["value-type", "item-type", "array-count", "string-array-count", "string-length", "key-not-utf8"])
+def test_a_metadata_field_that_cannot_be(demo_gguf, demo_layout, tmp_path, key, field, value, code, message):
+    span = getattr(demo_layout.kvs[key], field)
+    assert message in open_error(demo_patched(demo_gguf, tmp_path / "m.gguf", span, value, code))
 
 
 @pytest.mark.parametrize("field", ["kv_count", "tensor_count"])
