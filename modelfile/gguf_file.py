@@ -93,10 +93,11 @@ class GGUFFile:
         return self.metadata[key]
 
     def arch_value(self, key: str, kind: type, default: Any = _MISSING) -> Any:
-        """`<arch>.<key>`, the llama.cpp convention for hyper-parameters, read as `value` reads."""
+        """`arch_get` as `value` reads."""
         return self.value(f"{self.arch}.{key}", kind, default)
 
     def arch_get(self, key: str, default: Any = None) -> Any:
+        """`<arch>.<key>`, the llama.cpp convention for hyper-parameters."""
         return self.get(f"{self.arch}.{key}", default)
 
     def arch_require(self, key: str) -> Any:
@@ -149,7 +150,7 @@ def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape[i:])
 
 
-# ---- opening ----------------------------------------------------------------------------------
+# ---- opening -----------------------------------------------------------------------------------
 
 
 class _Unreadable(Exception):
