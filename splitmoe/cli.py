@@ -47,11 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the process's last word: one line, never a traceback
-        if log_level() == "DEBUG":
+        debug = log_level() == "DEBUG"
+        if debug:
             traceback.print_exc()
         bad_input = isinstance(e, BAD_INPUT)
-        what = (_one_line(e) if bad_input else
-                f"internal error: {type(e).__name__}: {_one_line(e)} (SPLITMOE_LOG_LEVEL=DEBUG shows where)")
+        what = _one_line(e) if bad_input else f"internal error: {type(e).__name__}: {_one_line(e)}"
+        if not bad_input and not debug:
+            what += " (SPLITMOE_LOG_LEVEL=DEBUG shows where)"
         print(f"splitmoe {args.command}: error: {what}", file=sys.stderr)
         return EXIT_BAD_INPUT if bad_input else EXIT_FAULT
 
