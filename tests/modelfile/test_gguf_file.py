@@ -228,7 +228,8 @@ def own_offset(layout, t) -> int:
 
 @pytest.mark.parametrize("tensor, field, value, code, message", [
     # the offset: aligned, and inside the file
-    ("blk.0.attn_k.weight", "offset", lambda L, t: own_offset(L, t) + 4, "Q", "at data offset {value} is not aligned to 32 bytes"),
+    ("blk.0.attn_k.weight", "offset", lambda L, t: own_offset(L, t) + 4, "Q",
+     "at data offset {value} is not aligned to 32 bytes"),
     ("blk.0.attn_q.weight", "offset", lambda L, t: L.size, "Q", "runs past the end of the file"),
     # the byte size that type and shape give must be the bytes the writer put there
     ("blk.0.attn_norm.weight", "dim0", 32, "Q", "128 bytes after tensor 'blk.0.attn_norm.weight' belong to no tensor"),

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES
 
 from splitmoe.cli import main
 from tests.support.gguf_layout import Layout, Span, read_layout
@@ -147,7 +147,7 @@ class Mutator:
     def tensor_infos(self, n: int):
         L = self.layout
         names = sorted(L.tensors)
-        offsets = sorted({t.offset_value for t in self._tensor_offsets()})
+        offsets = sorted(t.data.start - L.data_start for t in L.tensors.values())
         for _ in range(n):
             t = L.tensors[self.rng.choice(names)]
             field = self.rng.choice(["name_length", "n_dims", "dim", "transpose", "type", "offset", "offset"])
@@ -199,13 +199,6 @@ class Mutator:
         for n in (self.layout.alignment, 1000):
             yield Mutant("data", f"{n} junk bytes appended", self.original + bytes(range(256)) * (n // 256) +
                          bytes(n % 256))
-
-    def _tensor_offsets(self):
-        @dataclass(frozen=True)
-        class _Offset:
-            offset_value: int
-
-        return [_Offset(t.data.start - self.layout.data_start) for t in self.layout.tensors.values()]
 
 
 def all_mutants(original: bytes, layout: Layout) -> list[Mutant]:

@@ -61,8 +61,8 @@ class Layout:
 
     @property
     def metadata(self) -> Span:
-        first, last = min(kv.key_length.start for kv in self.kvs.values()), max(kv.value.end for kv in self.kvs.values())
-        return Span(first, last - first)
+        first = min(kv.key_length.start for kv in self.kvs.values())
+        return Span(first, max(kv.value.end for kv in self.kvs.values()) - first)
 
     @property
     def tensor_infos(self) -> Span:
