@@ -152,21 +152,26 @@ class MultiHeadAttention:
         return self.cfg.sliding_window_tokens if n and layer % n < n - 1 else 0
 
     @staticmethod
-    def load_weights(load: WeightLoader, spec: ArchSpec, p: str) -> AttentionWeights:
+    def load_weights(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, p: str) -> AttentionWeights:
         f32 = torch.float32  # biases are tiny: kept float32, added before any rounding
+        D, H, G, Dk, Dv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim
 
-        def bias(name: str) -> torch.Tensor | None:
-            return load(name, f32) if spec.qkv_bias else load.optional(name, f32)
+        def bias(name: str, width: int) -> torch.Tensor | None:
+            return load(name, (width,), f32) if spec.qkv_bias else load.optional(name, (width,), f32)
 
-        has_norm = spec.qk_norm != QK_NORM_NONE
+        def qk_norm(name: str, heads: int) -> torch.Tensor | None:
+            if spec.qk_norm == QK_NORM_NONE:
+                return None
+            return load.norm(name, (Dk,) if spec.qk_norm == QK_NORM_PER_HEAD else (heads * Dk,))
+
         return AttentionWeights(
-            q=load.linear(p + "attn_q.weight"), k=load.linear(p + "attn_k.weight"),
-            v=load.linear(p + "attn_v.weight"), out=load.linear(p + "attn_output.weight"),
-            q_bias=bias(p + "attn_q.bias"), k_bias=bias(p + "attn_k.bias"), v_bias=bias(p + "attn_v.bias"),
-            q_norm=load.norm(p + "attn_q_norm.weight") if has_norm else None,
-            k_norm=load.norm(p + "attn_k_norm.weight") if has_norm else None,
-            out_bias=load.optional(p + "attn_output.bias", f32),
-            sinks=load.norm(p + "attn_sinks.weight") if spec.attention_sinks else None,
+            q=load.linear(p + "attn_q.weight", (H * Dk, D)), k=load.linear(p + "attn_k.weight", (G * Dk, D)),
+            v=load.linear(p + "attn_v.weight", (G * Dv, D)), out=load.linear(p + "attn_output.weight", (D, H * Dv)),
+            q_bias=bias(p + "attn_q.bias", H * Dk), k_bias=bias(p + "attn_k.bias", G * Dk),
+            v_bias=bias(p + "attn_v.bias", G * Dv),
+            q_norm=qk_norm(p + "attn_q_norm.weight", H), k_norm=qk_norm(p + "attn_k_norm.weight", G),
+            out_bias=load.optional(p + "attn_output.bias", (D,), f32),
+            sinks=load.norm(p + "attn_sinks.weight", (H,)) if spec.attention_sinks else None,
         )
 
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:

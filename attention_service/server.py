@@ -55,11 +55,12 @@ def sampling_options(p: pb.SamplingParams, context_tokens: int) -> SamplingOptio
 class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def __init__(self):
         self.model: ServingModel | None = None
-        self.load_error = ""
+        self.load_failure: Exception | None = None
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> ServingModel:
         if self.model is None:
-            detail = f"model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+            failure = self.load_failure
+            detail = f"model failed to load: {failure}" if failure is not None else "the model is still loading"
             await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
         return self.model
 
@@ -229,17 +230,17 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
     if servicer.model is not None:
         servicer.model.engine.stop()
         servicer.model.experts.close()
-    elif servicer.load_error:
-        raise SystemExit(f"attention service: model failed to load: {servicer.load_error}")
+    elif servicer.load_failure is not None:
+        raise servicer.load_failure  # the command's one line and exit code, as any command's
 
 
 async def _load(servicer: AttentionServicer, health, settings: AttentionSettings, stop: asyncio.Event) -> None:
     started = time.monotonic()
     try:
         model = await asyncio.to_thread(load_serving_model, settings)
-    except Exception as e:  # noqa: BLE001 - the process exits: a supervisor sees it and says why
-        servicer.load_error = str(e)
-        log.error("model failed to load: %s", e)
+    except Exception as e:  # noqa: BLE001 - serve() raises it once the server stopped: the process exits
+        servicer.load_failure = e
+        log.debug("model failed to load", exc_info=True)
         stop.set()
         return
     model.engine.start()

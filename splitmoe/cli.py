@@ -9,7 +9,9 @@ import argparse
 import importlib
 import importlib.metadata
 import sys
+import traceback
 
+from splitmoe.settings import log_level
 from splitmoe.supervisor import die_with_supervisor
 
 COMMAND_MODULES = (
@@ -61,11 +63,32 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
                 _show_defaults(child)
 
 
+# What a command's bad input raises (GGUFError is a ValueError): exit 2, as argparse exits for
+# bad arguments. Anything else is a fault of ours: exit 1. Either way one line, no traceback,
+# unless SPLITMOE_LOG_LEVEL=DEBUG asks for it.
+BAD_INPUT = (ValueError, OSError, KeyError)
+EXIT_BAD_INPUT, EXIT_FAULT = 2, 1
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_supervisor()
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, OSError, KeyError) as e:  # GGUFError is a ValueError: one clear line
-        print(f"splitmoe {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the process's last word: one line, never a traceback
+        debug = log_level() == "DEBUG"
+        if debug:
+            traceback.print_exc()
+        bad_input = isinstance(e, BAD_INPUT)
+        what = _one_line(e) if bad_input else f"internal error: {type(e).__name__}: {_one_line(e)}"
+        if not bad_input and not debug:
+            what += " (SPLITMOE_LOG_LEVEL=DEBUG shows where)"
+        print(f"splitmoe {args.command}: error: {what}", file=sys.stderr)
+        return EXIT_BAD_INPUT if bad_input else EXIT_FAULT
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

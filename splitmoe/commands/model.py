@@ -57,6 +57,9 @@ def cmd_logits(args: argparse.Namespace) -> int:
     if max(args.token_ids) >= runner.cfg.vocab_size or min(args.token_ids) < 0:
         raise ValueError(f"--token-ids: ids must lie in [0, {runner.cfg.vocab_size})")
     logits = runner.step([Sequence(0, args.token_ids)], all_logits=True)
+    if not logits.isfinite().all():  # GGUF has no checksum: NaN weights load, and must not pass as a result
+        raise ValueError(f"{runner.gguf.path.name}: {int((~logits.isfinite()).sum())} of {logits.numel()} logits "
+                         "are not finite: the file's weights hold NaN or infinity")
     import numpy as np
 
     np.save(args.out, logits.cpu().numpy().astype(np.float32))

@@ -120,9 +120,10 @@ def _settings(args: argparse.Namespace) -> UpSettings:
 
 
 def _expert_count(model_path: str) -> int:
+    from modelfile.experts import expert_count
     from modelfile.gguf_file import GGUFFile
 
-    return int(GGUFFile(model_path).arch_require("expert_count"))
+    return expert_count(GGUFFile(model_path))
 
 
 def _make_run_dir(requested: str) -> Path:
