@@ -5,7 +5,7 @@ declares its KV cache entries and computes one layer. MLA (DeepSeek) is another 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +16,7 @@ from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
 from kernels import native
 from kernels.decode_attention import decode_attention
-from kernels.linear import LinearWeight, QuantLinear
+from kernels.linear import LinearGroup, LinearWeight, QuantLinear
 from modelfile.hparams import ModelConfig
 
 if TYPE_CHECKING:
@@ -132,6 +132,10 @@ class AttentionWeights:
     k_norm: torch.Tensor | None = None
     out_bias: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # [H] float32 (gpt-oss)
+    qkv: LinearGroup = field(init=False)  # q, k and v in one call where that is faster
+
+    def __post_init__(self) -> None:
+        self.qkv = LinearGroup(self.q, self.k, self.v)
 
 
 class MultiHeadAttention:
@@ -184,7 +188,7 @@ class MultiHeadAttention:
         c, eps = self.cfg, self.cfg.norm_eps
         if isinstance(w.q, QuantLinear):
             h = h.float()  # what the quantized routes take: converted once for q, k and v
-        q, k, v = linear(h, w.q, w.q_bias), linear(h, w.k, w.k_bias), linear(h, w.v, w.v_bias)
+        q, k, v = w.qkv(h, (w.q_bias, w.k_bias, w.v_bias))
         if self.spec.qk_norm == QK_NORM_FULL:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q = q.view(-1, c.num_heads, c.head_dim)

@@ -113,11 +113,12 @@ def _yarn_corr_dim(rotations: float, dims: int, theta: float, original_context_t
     return dims * math.log(original_context_tokens / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor | QuantLinear, up: torch.Tensor | QuantLinear,
-           down: torch.Tensor | QuantLinear) -> torch.Tensor:
-    if isinstance(gate, QuantLinear):
+def swiglu(x: torch.Tensor, ffn) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) of a dense FFN's weights (weights.DenseFFNWeights)."""
+    if isinstance(ffn.gate, QuantLinear):
         x = x.float()  # what the quantized routes take: converted once for gate and up
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    gate, up = ffn.gate_up(x)
+    return linear(F.silu(gate) * up, ffn.down)
 
 
 def softmax_scale(head_dim: int) -> float:

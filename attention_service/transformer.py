@@ -97,7 +97,7 @@ class MoETransformer:
         h = h32.to(self.dtype)
         if layer.moe is None:
             f = layer.dense_ffn
-            return swiglu(h, f.gate, f.up, f.down)
+            return swiglu(h, f)
         ids, weights = self._route(layer, h32, batch, top_k)
         out = self.experts.forward(i, h, ids, weights).float()
         shared = self._shared(layer, h, h32)
@@ -109,7 +109,7 @@ class MoETransformer:
         h = h32.to(self.dtype)
         if layer.moe is None:
             f = layer.dense_ffn
-            return _PendingFFN(None, None, swiglu(h, f.gate, f.up, f.down))
+            return _PendingFFN(None, None, swiglu(h, f))
         ids, weights = self._route(layer, h32, batch, top_k)
         handle = self.experts.submit(i, h, ids, weights)
         return _PendingFFN(handle, self._shared(layer, h, h32))
@@ -130,7 +130,7 @@ class MoETransformer:
         w = layer.moe
         if w.shared is None:
             return None
-        shared = swiglu(h, w.shared.gate, w.shared.up, w.shared.down).float()
+        shared = swiglu(h, w.shared).float()
         if w.shared_gate is not None:
             shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
         return shared

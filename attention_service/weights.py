@@ -8,14 +8,14 @@ quantized blocks (kernels/linear.py: QuantLinear, QuantEmbedding); see weight_lo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
 from attention_service.weight_loader import WeightLoader
-from kernels.linear import LinearWeight, QuantEmbedding
+from kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
 from modelfile.experts import expert_tensor_names, moe_layers
 from modelfile.gguf_file import GGUFError, GGUFFile
 from modelfile.hparams import ModelConfig
@@ -28,6 +28,10 @@ class DenseFFNWeights:
     gate: LinearWeight
     up: LinearWeight
     down: LinearWeight
+    gate_up: LinearGroup = field(init=False)  # gate and up in one call where that is faster
+
+    def __post_init__(self) -> None:
+        self.gate_up = LinearGroup(self.gate, self.up)
 
 
 @dataclass

@@ -212,6 +212,37 @@ class QuantEmbedding:
 LinearWeight = torch.Tensor | QuantLinear  # what `linear` takes: a dense tensor or the file's blocks
 
 
+class LinearGroup:
+    """Several linears of the same input (a layer's q, k and v; an FFN's gate and up).
+
+    Few rows against weights the native kernel covers are one call: the activations quantized once
+    and every weight's rows in one work list, results side by side in one buffer (returned as
+    views). Otherwise each linear takes its own route, exactly as `linear` alone would.
+    """
+
+    def __init__(self, *weights: LinearWeight):
+        self.weights = weights
+        nat = native()
+        fusable = len(weights) > 1 and all(isinstance(w, QuantLinear) and w.route == "native" for w in weights) \
+            and len({w.in_features for w in weights}) == 1
+        self._fused = nat.WeightMatmul(*(w.qt for w in weights)) if fusable else None
+
+    def __call__(self, x: torch.Tensor, biases: tuple[torch.Tensor | None, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        biases = biases or (None,) * len(self.weights)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self._fused is None or x2.shape[0] > SMALL_BATCH_ROWS:
+            return tuple(linear(x, w, b) for w, b in zip(self.weights, biases))
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        parts = self._fused(x2).split(self._fused.sizes, dim=1)
+        out = []
+        for part, b in zip(parts, biases):
+            if b is not None:
+                part += b
+            out.append(part if x.dim() == 2 else part.reshape(*x.shape[:-1], part.shape[1]))
+        return tuple(out)
+
+
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight.T (+ bias): torch for a dense weight (in its dtype), else QuantLinear's
     routes (float32 out)."""

@@ -91,7 +91,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_get_num_threads", I, []),
         ("smk_supports", I, [I]),
         ("smk_can_dequantize", I, [I]),
-        ("smk_matmul", I, [I, P, Z, I, I, P, Z, I, P]),
+        ("smk_matmul_multi", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
         ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, P, I, P, ctypes.c_float, I, P, P]),
@@ -199,21 +199,38 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
 
 
 class WeightMatmul:
-    """`matmul` against one weight, its checks done once: a decode step makes a few hundred calls
-    per weight set, and checking the weight each time costs more than a small projection's work."""
+    """`matmul` against one weight, or several with the same row length side by side (a layer's q, k
+    and v: the activations are quantized once and one work list covers every weight's rows), the
+    checks done once: a decode step makes a few hundred calls per weight set, and checking the
+    weights each time costs more than a small projection's work."""
 
-    def __init__(self, w: QuantTensor) -> None:
+    def __init__(self, *ws: QuantTensor) -> None:
         _need()
-        if not isinstance(w, QuantTensor) or len(w.shape) != 2:
-            raise ValueError(f"matmul: w must be a 2-D QuantTensor, got "
-                             f"{getattr(w, 'shape', type(w).__name__)}")
-        if not supports(w.ggml_type):
-            raise ValueError(f"matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
-        self.name, self._type = w.name, int(w.ggml_type)
-        self._data, self.n, self.k, self._row_bytes = _rows(w, "matmul")  # _data keeps the mmap view alive
-        self._ptr = _ptr(self._data)
+        if not 1 <= len(ws) <= 16:
+            raise ValueError(f"matmul: want 1 to 16 weights, got {len(ws)}")
+        rows = []
+        for w in ws:
+            if not isinstance(w, QuantTensor) or len(w.shape) != 2:
+                raise ValueError(f"matmul: w must be a 2-D QuantTensor, got "
+                                 f"{getattr(w, 'shape', type(w).__name__)}")
+            if not supports(w.ggml_type):
+                raise ValueError(f"matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
+            rows.append(_rows(w, "matmul"))
+        if len({k for _, _, k, _ in rows}) != 1:
+            raise ValueError(f"matmul: weights {[w.name for w in ws]} differ in row length")
+        self.name = "+".join(w.name for w in ws)
+        self._data = [data for data, *_ in rows]  # keeps the mmap views alive
+        self.sizes = tuple(n for _, n, _, _ in rows)  # output columns of each weight
+        self.n, self.k = sum(self.sizes), rows[0][2]
+        count = len(ws)
+        self._count = count
+        self._types = (ctypes.c_int * count)(*(int(w.ggml_type) for w in ws))
+        self._ptrs = (ctypes.c_void_p * count)(*(_ptr(d) for d in self._data))
+        self._strides = (ctypes.c_size_t * count)(*(rb for *_, rb in rows))
+        self._ns = (ctypes.c_int * count)(*self.sizes)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [m, n]: the weights' outputs side by side, in the order given."""
         x = _check_x(x, self.k, "matmul")
         m, n = x.shape[0], self.n
         if out is None:
@@ -222,8 +239,8 @@ class WeightMatmul:
             _check_out(out, (m, n), torch.float32, "matmul")
         if m == 0 or n == 0:
             return out
-        rc = _lib.smk_matmul(self._type, self._ptr, self._row_bytes, n, self.k, x.data_ptr(), self.k, m,
-                             out.data_ptr())
+        rc = _lib.smk_matmul_multi(self._count, self._types, self._ptrs, self._strides, self._ns, self.k,
+                                   x.data_ptr(), self.k, m, out.data_ptr(), n)
         if rc != 0:
             raise ValueError(f"matmul: native kernel refused tensor {self.name!r} (code {rc})")
         return out

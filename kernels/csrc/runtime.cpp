@@ -364,9 +364,3 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
     }
     return 0;
 }
-
-// out[m, n] = x[m, k] @ dequantize(w[n, k]).T: smk_matmul_multi with one weight.
-SMK_API int smk_matmul(int type, const uint8_t* w, size_t wstride, int n, int k, const float* x,
-                       size_t xstride, int m, float* out) {
-    return smk_matmul_multi(1, &type, &w, &wstride, &n, k, x, xstride, m, out, size_t(n));
-}

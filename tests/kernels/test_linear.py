@@ -169,3 +169,29 @@ def test_rejects_what_is_not_a_quantized_matrix():
         QuantLinear(QuantTensor("v", int(T.Q8_0), (64,), np.zeros((2, 34), np.uint8)))
     with pytest.raises(ValueError):
         QuantLinear(QuantTensor("f", int(T.F32), (2, 4), np.zeros((2, 4), np.float32)))
+
+
+@pytest.mark.parametrize("m", [1, 3, kl.SMALL_BATCH_ROWS, kl.SMALL_BATCH_ROWS + 1])
+def test_group_of_linears_equals_each_alone(native_module, m):
+    """q, k, v of other types and widths: few rows in one fused call (activations quantized once,
+    as each alone quantizes them the same way), many rows each on its own route: equal either way."""
+    ws = [QuantLinear(quant_tensor(T.Q4_K, 64, 512, seed=1)), QuantLinear(quant_tensor(T.Q6_K, 16, 512, seed=2)),
+          QuantLinear(quant_tensor(T.Q8_0, 48, 512, seed=3))]
+    biases = (torch.randn(64), None, torch.randn(48))
+    group = kl.LinearGroup(*ws)
+    assert group._fused is not None and group._fused.sizes == (64, 16, 48)
+    x = torch.randn(2, m, 512, generator=torch.Generator().manual_seed(m)) if m > 1 else torch.randn(m, 512)
+    got = group(x, biases)
+    for g, w, b in zip(got, ws, biases):
+        assert g.shape == (*x.shape[:-1], w.out_features)
+        assert torch.equal(g, linear(x, w, b))
+
+
+def test_a_group_with_a_dense_weight_is_each_alone(native_module):
+    q = QuantLinear(quant_tensor(T.Q4_K, 16, 256))
+    dense = torch.randn(8, 256)
+    group = kl.LinearGroup(q, dense)
+    assert group._fused is None
+    x = torch.randn(1, 256)
+    a, b = group(x)
+    assert torch.equal(a, q(x)) and torch.equal(b, linear(x, dense))
