@@ -65,7 +65,7 @@ def instrument(runner, timers: Timers) -> None:
     from attention_service import attention, mla, transformer
     from attention_service.kv_cache import KVCache
     from attention_service.layers import Rope
-    from kernels.linear import QuantEmbedding
+    from kernels.linear import LinearGroup, QuantEmbedding
 
     w = runner.model.weights
     names = {id(w.output): "lm_head"}
@@ -81,12 +81,19 @@ def instrument(runner, timers: Timers) -> None:
                 for m in (layer.moe.shared.gate, layer.moe.shared.up, layer.moe.shared.down):
                     names[id(m)] = "shared expert"
 
+    for layer in w.layers:
+        names[id(layer.attn.qkv)] = "attn q/k/v" if hasattr(layer.attn, "qkv") else None
+        for ffn, label in ((layer.dense_ffn, "dense ffn"), (layer.moe and layer.moe.shared, "shared expert")):
+            if ffn is not None:
+                names[id(ffn.gate_up)] = label
+
     def linear_label(x, weight, *rest):
         return names.get(id(weight), "other linear")
 
     for module in (attention, mla, transformer):
         timers.wrap(module, "linear", label_of=linear_label)
         timers.wrap(module, "rms_norm", "rms_norm")
+    timers.wrap(LinearGroup, "__call__", label_of=lambda group, *rest: names.get(id(group), "other linear"))
     timers.wrap(transformer.MoETransformer, "_shared", "shared expert")
     timers.wrap(attention, "decode_attention", "attention (native)")
     timers.wrap(mla, "decode_attention", "attention (native)")

@@ -37,6 +37,7 @@ struct V {
     static vf max(vf a, vf b) { return a > b ? a : b; }
     static float hsum(vf v) { return v; }
     static float hmax(vf v) { return v; }
+    static void hsum8(const vf* a, float* out) { for (int i = 0; i < 8; ++i) out[i] = a[i]; }
     static vf exp(vf x) { return std::exp(x); }
     static float exp1(float x) { return std::exp(x); }
 };

@@ -38,6 +38,14 @@ struct V {
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
+    static void hsum8(const vf* a, float* out) {
+        const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+        const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+        const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+        // each 128-bit lane holds partial sums of heads 0-3 (4-7): add the lanes across
+        const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+        _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+    }
     static float hmax(vf v) {
         __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         s = _mm_max_ps(s, _mm_movehl_ps(s, s));

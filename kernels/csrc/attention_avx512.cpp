@@ -34,6 +34,16 @@ struct V {
     static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
     static float hsum(vf v) { return _mm512_reduce_add_ps(v); }
     static float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+    static void hsum8(const vf* a, float* out) {
+        __m256 b[8];
+        for (int i = 0; i < 8; ++i)
+            b[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+        const __m256 h01 = _mm256_hadd_ps(b[0], b[1]), h23 = _mm256_hadd_ps(b[2], b[3]);
+        const __m256 h45 = _mm256_hadd_ps(b[4], b[5]), h67 = _mm256_hadd_ps(b[6], b[7]);
+        const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+        const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+        _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+    }
     // e^x for x <= 88 (softmax only feeds x <= 0): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes'
     // expf polynomial, 2^n through the exponent bits. Below -87.3 it returns e^-87.3 (~1e-38),
     // nothing next to the row maximum's 1.
