@@ -28,6 +28,7 @@ from attention_service.expert_placement import (ExpertsUnavailable, Placement, S
 from attention_service.expert_split import OwnerTable, ServicePart, add_part, split_by_service, unfinished_work
 from attention_service.expert_service_client import (ConnectionSettings, ExpertRequestError, ExpertServiceClient,
                                                      Hop, HopFailed)
+from kernels import native
 from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
 from modelfile.gguf_file import GGUFFile
 from splitmoe.cluster_auth import ClusterSecurity
@@ -357,6 +358,7 @@ class _LayerCall:
         b = self._backend
         b._in_flight.remove(self)
         self._collected = True
+        native.park()  # the expert services compute now: this process's idle workers must not spin
         out = None  # float32 [T, D], made by the first part that arrives
         try:
             while True:

@@ -1,7 +1,7 @@
 """Where a decode token's time goes: every op of the attention side and the experts, per token.
 
     python -m bench.decode_profile --model q3_6l.gguf --threads 2 [--tokens 64] [--context 64]
-    python -m bench.decode_profile --model q3_6l.gguf --expert-services 127.0.0.1:50061,...
+    SPLITMOE_CLUSTER_TOKEN=... python -m bench.decode_profile --model q3_6l.gguf --expert-services 127.0.0.1:50061
 
 Runs the model's own decode steps (one stream, greedy) with the functions that make up a step
 wrapped by timers, after a prompt of `--context` tokens, and prints each one's microseconds per
@@ -124,7 +124,11 @@ def loaded(args):
         from attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
         from modelfile.gguf_file import GGUFFile
 
-        settings = RemoteExpertsSettings(addresses=tuple(args.expert_services.split(",")), transport=args.transport)
+        from splitmoe.cluster_auth import ClusterSecurity
+        from splitmoe.settings import cluster_token
+
+        settings = RemoteExpertsSettings(addresses=tuple(args.expert_services.split(",")), transport=args.transport,
+                                         security=ClusterSecurity(token=cluster_token()))
         experts = RemoteExperts(GGUFFile(args.model), settings)
     runner = ModelRunner.from_gguf(args.model, RunnerOptions(dtype=getattr(torch, args.dtype), device=torch.device("cpu"),
                                                              kv_cache_tokens=args.context + 2 * args.tokens + 64),

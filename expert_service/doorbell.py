@@ -22,6 +22,7 @@ import torch
 from opentelemetry import propagate, trace
 
 from expert_service.shard import HostedShard
+from kernels import native
 from proto import codec, doorbell
 from proto.shm import Peer, ShmRegion
 from splitmoe.telemetry import tracer
@@ -156,6 +157,7 @@ class _Connection:
                 self._reply[size:size + len(error)] = error
                 size += len(error)
             conn.send(memoryview(self._reply)[:size])
+            native.park()  # the attention side computes until the next hop: leave it the cores
 
     def close(self) -> None:
         self._views.clear()

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from expert_service.doorbell import DoorbellServer
 from expert_service.settings import ExpertServiceSettings
 from expert_service.shard import HostedShard, ShardDescription
+from kernels import native
 from modelfile.experts import format_ranges
 from proto import codec, expert_pb2, expert_pb2_grpc
 from splitmoe.telemetry import extract_grpc_context, tracer
@@ -74,7 +75,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def Forward(self, request_iterator: Iterator[expert_pb2.ExpertRequest], context) -> Iterator[expert_pb2.ExpertResponse]:
         stream_context = extract_grpc_context(context.invocation_metadata())
         for request in request_iterator:
-            yield self._answer(request, stream_context)
+            answer = self._answer(request, stream_context)
+            native.park()  # the attention side computes until the next hop: leave it the cores
+            yield answer
 
     def _answer(self, request: expert_pb2.ExpertRequest, stream_context) -> expert_pb2.ExpertResponse:
         self.busy(1)

@@ -89,6 +89,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_set_isa", I, [ctypes.c_char_p]),
         ("smk_set_num_threads", None, [I]),
         ("smk_get_num_threads", I, []),
+        ("smk_park", None, []),
         ("smk_supports", I, [I]),
         ("smk_can_dequantize", I, [I]),
         ("smk_matmul_multi", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
@@ -130,6 +131,14 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     _need()
     return int(_lib.smk_get_num_threads())
+
+
+def park() -> None:
+    """Idle pool workers sleep now instead of spinning for the next job: call it when this process
+    hands the cores to another (the attention side waiting for its expert services, an expert
+    service that has answered). No-op without the native library."""
+    if AVAILABLE:
+        _lib.smk_park()
 
 
 def supports(ggml_type: int) -> bool:

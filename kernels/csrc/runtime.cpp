@@ -85,6 +85,11 @@ namespace {
 // shared core between requests.
 constexpr auto kSpin = std::chrono::microseconds(100);
 
+// smk_park() bumps this: workers spinning for a next job stop at once and sleep. A process calls
+// it when it hands the cores to another one (the attention side waiting for its expert services,
+// an expert service that has answered): spinning then would only slow down the side that computes.
+std::atomic<uint64_t> g_park_epoch{0};
+
 struct Pool {
     explicit Pool(int n) : n_workers(n - 1) {
         for (int i = 0; i < n_workers; ++i) threads.emplace_back([this, i] { loop(i + 1); });
@@ -126,7 +131,11 @@ struct Pool {
     void loop(int tid) {
         uint64_t seen = 0;
         for (;;) {
-            if (!spin_until([&] { return gen.load(std::memory_order_acquire) != seen; })) {
+            const uint64_t epoch = g_park_epoch.load(std::memory_order_relaxed);
+            if (!spin_until([&] {
+                    return gen.load(std::memory_order_acquire) != seen ||
+                           g_park_epoch.load(std::memory_order_relaxed) != epoch;
+                }) || gen.load(std::memory_order_acquire) == seen) {
                 std::unique_lock<std::mutex> lk(mu);
                 cv_work.wait(lk, [&] { return gen.load(std::memory_order_acquire) != seen; });
             }
@@ -240,6 +249,9 @@ SMK_API void smk_set_num_threads(int n) {
 }
 
 SMK_API int smk_get_num_threads() { return num_threads(); }
+
+// The pool's idle workers stop spinning and sleep until the next job (see g_park_epoch).
+SMK_API void smk_park() { g_park_epoch.fetch_add(1, std::memory_order_relaxed); }
 
 SMK_API int smk_supports(int type) { return type >= 0 && type < 64 && kernels().dot[type] != nullptr; }
 
