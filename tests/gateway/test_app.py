@@ -280,7 +280,7 @@ def test_a_chunked_body_over_the_limit_is_413(http, client):
 
 # ------------------------------------------------------------------------------ auth, names, metrics
 
-def test_api_key_guards_v1_but_not_health_and_metrics(stack):
+def test_api_key_guards_v1_and_metrics_but_not_health(stack):
     url = stack.url
     assert_openai_error(httpx.get(f"{url}/v1/models"), 401, "authentication_error")
     wrong = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
@@ -290,7 +290,15 @@ def test_api_key_guards_v1_but_not_health_and_metrics(stack):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert_openai_error(httpx.get(f"{url}/metrics"), 401, "authentication_error")  # it names internal addresses
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_public_metrics_opens_metrics_alone(stack):
+    with running_gateway(stack.attention_port, stack.log_dir / "gateway-public.log", "--api-key", API_KEY,
+                         "--public-metrics") as url:
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert_openai_error(httpx.get(f"{url}/v1/models"), 401, "authentication_error")
 
 
 def test_served_model_name_replaces_the_model_id(stack):

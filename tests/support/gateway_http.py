@@ -69,12 +69,12 @@ def sse_chunks(response: httpx.Response) -> list[dict]:
 
 
 def assert_openai_error(response: httpx.Response, status: int, error_type: str) -> dict:
-    """OpenAI's error body with `status`; returns its `error` object."""
+    """OpenAI's error body with `status`, and the request's id as in its header; returns its `error` object."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == error_type, error
-    assert error["message"]
+    assert set(error) == {"message", "type", "param", "code", "request_id"} and error["type"] == error_type, error
+    assert error["message"] and error["request_id"] == response.headers["x-request-id"], (error, response.headers)
     return error
 
 
