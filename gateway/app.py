@@ -70,7 +70,7 @@ async def create_completion(raw: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(raw: Request) -> Response:
     model: ServedModel = raw.app.state.model
-    return to_response(await model.list())
+    return to_response(await model.list(RequestId.current().value))
 
 
 @router.get("/health")

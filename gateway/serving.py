@@ -298,21 +298,19 @@ class ServedModel:
         return info.model_id
 
     async def resolve(self, requested: str | None) -> str | ErrorResponse:
-        """The served name, or 404 when the request names another model (None means ours)."""
-        try:
-            name = await self.name()
-        except AttentionError as e:
-            return error_response(e.status, e.message, code=e.code)
+        """The served name, or 404 when the request names another model (None means ours); raises
+        AttentionError while the attention service is down or loading."""
+        name = await self.name()
         if requested is not None and requested != name:
             shown = requested if len(requested) <= 100 else requested[:100] + "..."
             return error_response(404, f"The model `{shown}` does not exist.", code="model_not_found", param="model")
         return name
 
-    async def list(self) -> ModelList | ErrorResponse:
+    async def list(self, request_id: str) -> ModelList | ErrorResponse:
         try:
             name, info = await self.name(), await self.info()
         except AttentionError as e:
-            return error_response(e.status, e.message, code=e.code)
+            return failed(request_id, e)
         card = ModelCard(id=name, created=self.created, max_model_len=info.context_tokens or None)
         return ModelList(data=[card])
 
@@ -333,11 +331,11 @@ class ChatHandler(Handler):
 
     async def create(self, request: ChatCompletionRequest, request_id: str
                      ) -> ErrorResponse | ChatCompletionResponse | AsyncIterator[str]:
-        model = await self.model.resolve(request.model)
-        if isinstance(model, ErrorResponse):
-            return model
         timer = self.metrics.request_timer()
         try:
+            model = await self.model.resolve(request.model)
+            if isinstance(model, ErrorResponse):
+                return model
             self.admission.check(request.num_generations)
             streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
             states = [ChoiceState() for _ in streams]
@@ -411,11 +409,11 @@ class CompletionHandler(Handler):
 
     async def create(self, request: CompletionRequest, request_id: str
                      ) -> ErrorResponse | CompletionResponse | AsyncIterator[str]:
-        model = await self.model.resolve(request.model)
-        if isinstance(model, ErrorResponse):
-            return model
         timer = self.metrics.request_timer()
         try:
+            model = await self.model.resolve(request.model)
+            if isinstance(model, ErrorResponse):
+                return model
             self.admission.check(request.num_generations)
             echoes = await self._echoes(request, request_id)
             states = [ChoiceState() for _ in range(len(request.prompts()) * request.n)]
@@ -509,7 +507,7 @@ class OpsHandler(Handler):
             if not info.ready:
                 return error_response(503, "the model is still loading", code="loading")
             stats = await self.client.stats()
-        except AttentionError as e:
+        except AttentionError as e:  # not logged: probes come every few seconds
             return error_response(503, f"attention service unavailable: {e.message}", code="unavailable")
         down = sum(not hop.healthy for hop in stats.hops)
         if down:  # which ones: /metrics, behind the API key (addresses are internal)
