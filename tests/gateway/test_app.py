@@ -7,18 +7,15 @@ health, overload and expert-service failures are in test_app_operations.py.
 from __future__ import annotations
 
 import json
-import subprocess
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from tests.support.gateway_http import (
-    assert_openai_error, metric, running_gateway, sse_chunks, wait_http, wait_until_idle,
+    GatewayStack, assert_openai_error, gateway_over_attention, metric, running_gateway, sse_chunks, wait_http,
+    wait_until_idle,
 )
-from tests.support.processes import free_port, spawn, stop
 
 API_KEY = "integration-key"
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf
@@ -30,33 +27,11 @@ GREEDY = {"temperature": 0, "ignore_eos": True}     # in a body; the openai clie
 CLIENT_GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@dataclass(frozen=True)
-class Stack:
-    url: str
-    attention_port: int
-    log_dir: Path
-
-
 @pytest.fixture(scope="module")
-def stack(demo_gguf, tmp_path_factory) -> Stack:
+def stack(demo_gguf, tmp_path_factory) -> GatewayStack:
     log_dir = tmp_path_factory.mktemp("app")
-    port = free_port()
-    attention = spawn(["serve-attention", str(demo_gguf), "--port", str(port)], log_dir / "attention.log")
-    try:
-        with running_gateway(port, log_dir / "gateway.log", "--api-key", API_KEY,
-                             "--max-body-bytes", str(MAX_BODY_BYTES)) as url:
-            wait_until_healthy(url, attention, log_dir)
-            yield Stack(url, port, log_dir)
-    finally:
-        stop(attention)
-
-
-def wait_until_healthy(url: str, attention: subprocess.Popen, log_dir: Path) -> None:
-    try:
-        wait_http(url + "/health", attention, lambda r: r.status_code == 200)
-    except Exception:
-        print((log_dir / "attention.log").read_text(errors="replace")[-4000:])
-        raise
+    with gateway_over_attention(demo_gguf, log_dir, "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,15 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from gateway.openai_types import ERROR_TYPES, INT32_MAX, INT64_MAX
-from tests.support.gateway_http import assert_openai_error, running_gateway, sse_events, wait_http
+from tests.support.gateway_http import (
+    GatewayStack, assert_openai_error, gateway_over_attention, running_gateway, sse_events,
+)
 from tests.support.gguf_edit import rewrite_gguf
-from tests.support.processes import free_port, spawn, stop
 
 API_KEY = "bad-input-key"
 MODEL = "demo"
@@ -38,38 +36,20 @@ FUZZ_SEED = 1047
 FUZZ_BODIES = 300
 
 
-@dataclass(frozen=True)
-class Stack:
-    url: str
-    attention_port: int
-    log_dir: Path
-
-
 @pytest.fixture(scope="module")
-def stack(demo_gguf, tmp_path_factory) -> Stack:
+def stack(demo_gguf, tmp_path_factory) -> GatewayStack:
     log_dir = tmp_path_factory.mktemp("bad-input")
     model = log_dir / "demo.gguf"  # the same stem: served as "demo"
     rewrite_gguf(demo_gguf, model, drop_keys=("tokenizer.chat_template",),
                  set_keys={"tokenizer.chat_template": TEMPLATE})
-    port = free_port()
-    attention = spawn(["serve-attention", str(model), "--port", str(port)], log_dir / "attention.log")
-    try:
-        with running_gateway(port, log_dir / "gateway.log", "--api-key", API_KEY) as url:
-            wait_http(url + "/health", attention, lambda r: r.status_code == 200)
-            yield Stack(url, port, log_dir)
-    finally:
-        stop(attention)
+    with gateway_over_attention(model, log_dir, "--api-key", API_KEY) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def http(stack):
     with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def assert_serves(http: httpx.Client) -> None:
@@ -134,7 +114,8 @@ def mutate(rng: random.Random, body, fields: list[str]):
     elif kind < 0.7:
         body.pop(rng.choice(["model", "messages", "prompt", "stream"]), None)
     elif kind < 0.8:
-        body.update({f"unknown_{rng.randrange(10**6)}_{i}" * rng.choice([1, 50]): i for i in range(rng.choice([1, 5000]))})
+        repeat, count = rng.choice([1, 50]), rng.choice([1, 5000])  # huge names, or thousands of them
+        body.update({f"unknown_{rng.randrange(10**6)}_{i}" * repeat: i for i in range(count)})
     elif kind < 0.9:
         body = rng.choice([[body], None, 123, "body", [], Raw(b"{" * 2000)])
     else:  # many messages, or many prompts
@@ -236,6 +217,28 @@ def test_an_oversized_fan_out_is_refused_at_once_and_harms_no_concurrent_request
     assert [r.status_code for r in small] == [200] * 200, {r.status_code: r.text for r in small}
 
 
+def test_a_storm_of_fan_outs_within_the_cap_sheds_load_with_429_and_cancels_no_one(stack, http):
+    """20 requests of 128 generations each, with 200 small ones: 2,560 calls at once would make the
+    attention service's gRPC server cancel calls at random (anyone's: 503 `cancelled`); the gateway's
+    in-flight limit keeps the burst below that, so an overloaded stack answers 429 and nothing else."""
+    async def run():
+        limits = httpx.Limits(max_connections=300)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=stack.url, headers=headers, timeout=120, limits=limits) as c:
+            async def post(body, delay_s):
+                await asyncio.sleep(delay_s)
+                return await c.post("/v1/completions", json=body)
+
+            fans = [post({**COMPLETION, "n": 128, "max_tokens": 1}, 0) for _ in range(20)]
+            small = [post(COMPLETION, 0.005 * i) for i in range(200)]
+            return await asyncio.gather(*fans, *small)
+
+    answers = asyncio.run(run())
+    assert {r.status_code for r in answers} <= {200, 429}, {r.status_code: r.text for r in answers}
+    assert any(r.status_code == 200 for r in answers[20:])
+    assert_serves(http)
+
+
 def test_generations_in_flight_past_the_limit_are_429_and_per_request_past_the_cap_400(stack):
     log_path = stack.log_dir / "gateway-small.log"
     with running_gateway(stack.attention_port, log_path, "--max-generations-per-request", "3",
@@ -259,11 +262,9 @@ def test_generations_in_flight_past_the_limit_are_429_and_per_request_past_the_c
 
 # --------------------------------------------------------------------------------- context, bounds
 
-def test_prompt_plus_max_tokens_over_the_context_is_400_naming_both(client, http):
-    prompt = [5] * 2000
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=100)
-    assert e.value.body["message"] == (
+def test_prompt_plus_max_tokens_over_the_context_is_400_naming_both(http):
+    over = http.post("/v1/completions", json={**COMPLETION, "prompt": [5] * 2000, "max_tokens": 100})
+    assert assert_openai_error(over, 400, "invalid_request_error")["message"] == (
         "This model's maximum context length is 2048 tokens. However, you requested 2100 tokens (2000 in the "
         "messages, 100 in the completion). Please reduce the length of the messages or completion.")
     chat = {**CHAT, "max_tokens": CONTEXT_TOKENS}

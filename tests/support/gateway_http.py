@@ -11,11 +11,36 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from tests.support.processes import free_port, spawn, stop
+
+
+@dataclass(frozen=True)
+class GatewayStack:
+    url: str
+    attention_port: int
+    log_dir: Path
+
+
+@contextmanager
+def gateway_over_attention(model: Path, log_dir: Path, *gateway_args: str) -> Iterator[GatewayStack]:
+    """`serve-attention` on `model` (experts in-process) and a gateway in front, both healthy."""
+    port = free_port()
+    attention = spawn(["serve-attention", str(model), "--port", str(port)], log_dir / "attention.log")
+    try:
+        with running_gateway(port, log_dir / "gateway.log", *gateway_args) as url:
+            try:
+                wait_http(url + "/health", attention, lambda r: r.status_code == 200)
+            except Exception:
+                print((log_dir / "attention.log").read_text(errors="replace")[-4000:])
+                raise
+            yield GatewayStack(url, port, log_dir)
+    finally:
+        stop(attention)
 
 
 @contextmanager
