@@ -44,9 +44,12 @@ RUN apt-get update \
 RUN python -c "from splitmoe.demo_model import write_demo_model; write_demo_model('/opt/splitmoe/demo.gguf')" \
     && chmod 0444 /opt/splitmoe/demo.gguf
 
-# Not root: the services need no privileges, and mounted models are read-only.
+# Not root: the services need no privileges, and mounted models are read-only. /var/lib/splitmoe
+# is where compose's volume keeps the cluster secret: a new volume takes this directory's owner
+# and mode, so the (non-root) services can write it once and no one else can read it.
 RUN useradd --system --uid 10001 --create-home --home-dir /home/splitmoe --shell /usr/sbin/nologin splitmoe \
-    && mkdir -p /models
+    && mkdir -p /models /var/lib/splitmoe \
+    && chown splitmoe:splitmoe /var/lib/splitmoe && chmod 0700 /var/lib/splitmoe
 USER splitmoe
 WORKDIR /home/splitmoe
 

@@ -19,6 +19,9 @@ SOURCES = [
     "kernels/csrc/dot_avx512vnni.cpp",
     "kernels/csrc/moe.cpp",
     "kernels/csrc/dequant.cpp",
+    "kernels/csrc/attention.cpp",
+    "kernels/csrc/attention_avx2.cpp",
+    "kernels/csrc/attention_avx512.cpp",
 ]
 
 ext_modules = []
@@ -27,7 +30,7 @@ if sys.platform.startswith("linux") or sys.platform == "darwin":
         Extension(
             "kernels._native",
             sources=SOURCES,
-            depends=["kernels/csrc/smk.h", "kernels/csrc/dot_avx512.inc"],
+            depends=["kernels/csrc/smk.h", "kernels/csrc/dot_avx512.inc", "kernels/csrc/attention.inc"],
             language="c++",
             extra_compile_args=[
                 "-std=c++17", "-O3", "-g0", "-fvisibility=hidden",

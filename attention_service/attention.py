@@ -14,6 +14,8 @@ from attention_service.batch import SeqSlice, StepBatch
 from attention_service.kv_cache import KVCache
 from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
+from kernels import native
+from kernels.decode_attention import decode_attention
 from kernels.linear import LinearWeight, QuantLinear
 from modelfile.hparams import ModelConfig
 
@@ -23,6 +25,17 @@ if TYPE_CHECKING:
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
 SCORES_PER_CHUNK = 1 << 22
+# Steps in which no sequence brings more new tokens than this take the native decode attention
+# (fast mode on the CPU); more rows (prompts) are matrix products, which torch's GEMMs do better.
+NATIVE_DECODE_ROWS = 4
+
+
+def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
+    """Whether this step's attention runs as one native call per layer (kernels.decode_attention):
+    the fast mode's bfloat16 cache on the CPU, in decode-sized steps. The float32 mode keeps the
+    torch path, the exact reference."""
+    return (kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and native.AVAILABLE
+            and 0 < batch.max_new_tokens <= NATIVE_DECODE_ROWS)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
@@ -139,21 +152,26 @@ class MultiHeadAttention:
         return self.cfg.sliding_window_tokens if n and layer % n < n - 1 else 0
 
     @staticmethod
-    def load_weights(load: WeightLoader, spec: ArchSpec, p: str) -> AttentionWeights:
+    def load_weights(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, p: str) -> AttentionWeights:
         f32 = torch.float32  # biases are tiny: kept float32, added before any rounding
+        D, H, G, Dk, Dv = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim
 
-        def bias(name: str) -> torch.Tensor | None:
-            return load(name, f32) if spec.qkv_bias else load.optional(name, f32)
+        def bias(name: str, width: int) -> torch.Tensor | None:
+            return load(name, (width,), f32) if spec.qkv_bias else load.optional(name, (width,), f32)
 
-        has_norm = spec.qk_norm != QK_NORM_NONE
+        def qk_norm(name: str, heads: int) -> torch.Tensor | None:
+            if spec.qk_norm == QK_NORM_NONE:
+                return None
+            return load.norm(name, (Dk,) if spec.qk_norm == QK_NORM_PER_HEAD else (heads * Dk,))
+
         return AttentionWeights(
-            q=load.linear(p + "attn_q.weight"), k=load.linear(p + "attn_k.weight"),
-            v=load.linear(p + "attn_v.weight"), out=load.linear(p + "attn_output.weight"),
-            q_bias=bias(p + "attn_q.bias"), k_bias=bias(p + "attn_k.bias"), v_bias=bias(p + "attn_v.bias"),
-            q_norm=load.norm(p + "attn_q_norm.weight") if has_norm else None,
-            k_norm=load.norm(p + "attn_k_norm.weight") if has_norm else None,
-            out_bias=load.optional(p + "attn_output.bias", f32),
-            sinks=load.norm(p + "attn_sinks.weight") if spec.attention_sinks else None,
+            q=load.linear(p + "attn_q.weight", (H * Dk, D)), k=load.linear(p + "attn_k.weight", (G * Dk, D)),
+            v=load.linear(p + "attn_v.weight", (G * Dv, D)), out=load.linear(p + "attn_output.weight", (D, H * Dv)),
+            q_bias=bias(p + "attn_q.bias", H * Dk), k_bias=bias(p + "attn_k.bias", G * Dk),
+            v_bias=bias(p + "attn_v.bias", G * Dv),
+            q_norm=qk_norm(p + "attn_q_norm.weight", H), k_norm=qk_norm(p + "attn_k_norm.weight", G),
+            out_bias=load.optional(p + "attn_output.bias", (D,), f32),
+            sinks=load.norm(p + "attn_sinks.weight", (H,)) if spec.attention_sinks else None,
         )
 
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -177,6 +195,11 @@ class MultiHeadAttention:
         q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
         kv.write(i, batch.new_slots, k=k, v=v)
         window = self.window_tokens(i)
+        if use_native_decode(batch, kv):
+            pools = kv.pools(i)
+            out = decode_attention(batch.attention_context, q, pools["k"], pools["v"], self.scale,
+                                   window_tokens=window, sinks=w.sinks)
+            return linear(out.flatten(1), w.out, w.out_bias)
         parts, one = [], len(batch.seqs) == 1
         for s in batch.seqs:
             first = _first_visible_position(s, window)

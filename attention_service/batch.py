@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from kernels.decode_attention import AttentionContext
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,17 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @cached_property
+    def max_new_tokens(self) -> int:
+        """The most new tokens any one sequence brings to this step (1 in a pure decode step)."""
+        return max((s.end - s.start for s in self.seqs), default=0)
+
+    @cached_property
+    def attention_context(self) -> AttentionContext:
+        """Which cached slots each row attends over, for the native decode attention: built once
+        per step, read by every layer."""
+        return AttentionContext.build([(s.start, s.end - s.start, s.context_slots) for s in self.seqs])
 
     def split(self, num_parts: int) -> list[tuple["StepBatch", slice]]:
         """The batch cut by sequence into up to `num_parts` micro-batches of about equal tokens,

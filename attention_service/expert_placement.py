@@ -33,6 +33,10 @@ class ServiceShard:
     def is_empty(self) -> bool:
         return not self.layers or not self.experts
 
+    def covers(self, other: "ServiceShard") -> bool:
+        """Whether this shard hosts every (layer, expert) of `other`."""
+        return set(other.layers) <= set(self.layers) and set(other.experts) <= set(self.experts)
+
     def keys(self) -> Iterator[ExpertKey]:
         return (ExpertKey(layer, expert) for layer in self.layers for expert in self.experts)
 

@@ -24,6 +24,7 @@ from attention_service.expert_placement import ServiceShard
 from attention_service.expert_transport import GrpcLink, HopFailed, Link, ShmLink, Ticket
 from modelfile.experts import ExpertKey
 from proto import expert_pb2, expert_pb2_grpc
+from splitmoe.cluster_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)
 __all__ = ["HopFailed", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters"]
@@ -73,6 +74,7 @@ class ConnectionSettings:
     transport: str                 # "auto" | "grpc" | "shm"
     max_message_bytes: int
     shm_initial_bytes: int
+    security: ClusterSecurity = ClusterSecurity()
 
 
 def shard_from_info(address: str, info: expert_pb2.ShardInfo) -> ServiceShard:
@@ -107,9 +109,10 @@ class ExpertServiceClient:
     lock); the reconnect thread and the links' watchers only ever replace or close a link.
     """
 
-    def __init__(self, address: str, settings: ConnectionSettings):
+    def __init__(self, address: str, settings: ConnectionSettings, server_name: str = ""):
         self.address = address
         self.settings = settings
+        self.server_name = server_name  # what its TLS certificate names, when not the host of `address`
         self.shard = ServiceShard(address)  # the shard we rely on it hosting (set by the placement)
         self.info: expert_pb2.ShardInfo | None = None  # its last DescribeShard/LoadShard answer
         self.healthy = False
@@ -172,6 +175,20 @@ class ExpertServiceClient:
             self._lock.release()
         log.info("expert service %s is back (%s)", self.address, self.transport)
         return True
+
+    def check_shard(self) -> None:
+        """Mark a healthy service unhealthy once it no longer hosts what the placement relies on
+        it for (someone loaded another shard into it, or emptied it): its hops would compute
+        nothing for those experts. A revive then loads the shard again into an empty service."""
+        link = self._conn.link
+        if not self.healthy or self.shard.is_empty:
+            return
+        try:
+            reported = self.describe(self.settings.connect_timeout_s)
+        except grpc.RpcError:
+            return  # a service that does not answer is the link's to detect (EOF, hop deadline)
+        if not reported.covers(self.shard):
+            self.mark_unhealthy(link, f"it hosts {reported.label()}, the placement needs {self.shard.label()}")
 
     def mark_unhealthy(self, link: Link | None, error: str) -> None:
         """The link failed: drop it (only if it is still the current one) and report why."""
@@ -238,7 +255,7 @@ class ExpertServiceClient:
                    # found again within a second or two, not minutes later.
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-        channel = grpc.insecure_channel(self.address, options=options)
+        channel = self.settings.security.channel(self.address, options, self.server_name)
         return _Connection(channel, expert_pb2_grpc.ExpertServiceStub(channel))
 
     def _replace_connection(self) -> None:
@@ -250,7 +267,7 @@ class ExpertServiceClient:
         reported = self.describe(self.settings.connect_timeout_s)
         if reported.is_empty and not self.shard.is_empty:
             reported = self.load_shard(self.shard.layers, self.shard.experts)
-        if (reported.layers, reported.experts) != (self.shard.layers, self.shard.experts):
+        if not reported.covers(self.shard):
             raise ValueError(f"came back hosting {reported.label()}, expected {self.shard.label()}")
 
     def _open_link_locked(self) -> None:
@@ -279,8 +296,8 @@ class ExpertServiceClient:
     def _shm_link(self, doorbell: str) -> ShmLink:
         if not doorbell:
             raise HopFailed("the service offers no shared-memory doorbell")
-        return ShmLink(doorbell, self.settings.shm_initial_bytes, self.settings.connect_timeout_s,
-                       self.settings.expert_timeout_s, self._link_ended)
+        return ShmLink(doorbell, self.settings.security.token, self.settings.shm_initial_bytes,
+                       self.settings.connect_timeout_s, self.settings.expert_timeout_s, self._link_ended)
 
     def _try_link(self, open_link: Callable[[], Link]) -> str:
         """'' when a link opened and a handshake (a zero-token hop) went through it, else why not."""

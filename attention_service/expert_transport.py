@@ -211,7 +211,7 @@ class ShmLink:
 
     name = "shm"
 
-    def __init__(self, address: str, initial_bytes: int, connect_timeout_s: float, timeout_s: float,
+    def __init__(self, address: str, token: str, initial_bytes: int, connect_timeout_s: float, timeout_s: float,
                  on_end: Callable[["ShmLink", str], None]):
         self._on_end = on_end
         self._closed = False
@@ -220,7 +220,7 @@ class ShmLink:
         try:
             self._sock.settimeout(connect_timeout_s)
             self._sock.connect(doorbell.socket_address(address))
-            self._hello()
+            self._handshake(token)
             # From here on a blocking socket whose receive times out in the kernel (SO_RCVTIMEO):
             # one system call per receive, where a Python-side timeout costs a poll() too.
             self._sock.settimeout(None)
@@ -260,13 +260,14 @@ class ShmLink:
                 torch.index_select(expert_weights, 0, rows, out=views.expert_weights)
             views.expert_ids.copy_(expert_ids)
             self._seq += 1
-            name = slot.region.name.encode() if slot.unannounced else b""
+            region = slot.region
+            announced = doorbell.announcement(region.name, region.num_bytes) if slot.unannounced else b""
             traceparent = _traceparent()
             doorbell.REQUEST.pack_into(self._send, 0, doorbell.KIND_FORWARD, views.wire_dtype, index, layer,
-                                       num_tokens, top_k, hidden_size, self._seq, len(name), len(traceparent))
+                                       num_tokens, top_k, hidden_size, self._seq, len(announced), len(traceparent))
             length = doorbell.REQUEST.size
-            if name or traceparent:
-                tail = name + traceparent
+            if announced or traceparent:
+                tail = announced + traceparent
                 self._send[length:length + len(tail)] = tail
                 length += len(tail)
             sent_ns = time.monotonic_ns()
@@ -299,14 +300,24 @@ class ShmLink:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _hello(self) -> None:
+    def _handshake(self, token: str) -> None:
+        """The version, then the answer to the service's challenge: proof of the cluster secret."""
         self._sock.send(doorbell.HELLO.pack(doorbell.KIND_HELLO, doorbell.VERSION, doorbell.MAGIC))
+        challenge = self._handshake_reply(doorbell.KIND_HELLO)
+        if len(challenge) != doorbell.NONCE_BYTES:
+            raise HopFailed("the doorbell sent no challenge")
+        self._sock.send(doorbell.PROOF.pack(doorbell.KIND_PROOF, doorbell.proof(token, challenge)))
+        self._handshake_reply(doorbell.KIND_PROOF)
+
+    def _handshake_reply(self, kind: int) -> bytes:
+        """What follows the header of the service's answer to a `kind` message; HopFailed if refused."""
         answer = self._sock.recv(doorbell.MAX_MESSAGE_BYTES)
         if len(answer) < doorbell.REPLY.size:
             raise HopFailed("the doorbell closed during the handshake")
-        kind, status, version, *_ = doorbell.REPLY.unpack_from(answer)
-        if kind != doorbell.KIND_HELLO or status != doorbell.STATUS_OK:
+        answered, status, *_ = doorbell.REPLY.unpack_from(answer)
+        if answered != kind or status != doorbell.STATUS_OK:
             raise HopFailed(f"doorbell handshake refused: {answer[doorbell.REPLY.size:].decode(errors='replace')}")
+        return answer[doorbell.REPLY.size:]
 
     def _receive(self, deadline_s: float, timeout_s: float) -> None:
         """Read one reply and attach it to its ticket (replies come in request order).

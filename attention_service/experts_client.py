@@ -30,6 +30,7 @@ from attention_service.expert_service_client import (ConnectionSettings, ExpertR
                                                      Hop, HopFailed)
 from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
 from modelfile.gguf_file import GGUFFile
+from splitmoe.cluster_auth import ClusterSecurity
 
 __all__ = ["ExpertBackend", "ExpertsHandle", "Ready", "InProcessExperts", "RemoteExperts", "RemoteExpertsSettings",
            "ExpertsUnavailable", "ExpertRequestError", "ServiceHealth", "HopStats"]
@@ -119,12 +120,13 @@ class RemoteExpertsSettings:
     addresses: tuple[str, ...]                 # host:port of every expert service (replicas included)
     expert_timeout_s: float = 10.0             # deadline of every hop and every control RPC
     connect_timeout_s: float = 1.0             # one reconnect attempt to a service marked unhealthy
-    reconnect_interval_s: float = 1.0          # how often unhealthy services are retried in the background
+    reconnect_interval_s: float = 1.0          # how often unhealthy services are retried, healthy ones' shards checked
     startup_wait_s: float = 60.0               # how long startup waits for services to come up
     transport: str = "auto"                    # auto: shared memory with services on this host, else gRPC
     local_layers: int = 0                      # the first N MoE layers' experts run in-process (--n-cpu-moe)
     max_message_bytes: int = 1 << 30           # 1 GiB: a long prefill's hidden states in one message
     shm_initial_bytes: int = 4 << 20           # per connection; grows to the largest request
+    security: ClusterSecurity = ClusterSecurity()  # the secret every call and doorbell carries; TLS
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -140,7 +142,7 @@ class RemoteExpertsSettings:
 
     def connection(self) -> ConnectionSettings:
         return ConnectionSettings(self.expert_timeout_s, self.connect_timeout_s, self.transport,
-                                  self.max_message_bytes, self.shm_initial_bytes)
+                                  self.max_message_bytes, self.shm_initial_bytes, self.security)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,8 @@ class RemoteExperts:
         all_layers = moe_layers(g)
         self._local_layers = frozenset(all_layers[:settings.local_layers])
         self._local = ExpertShard(g, layers=sorted(self._local_layers)) if self._local_layers else None
-        self._clients = [ExpertServiceClient(a, settings.connection()) for a in resolve_addresses(settings.addresses)]
+        self._clients = [ExpertServiceClient(address, settings.connection(), server_name=host)
+                         for address, host in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
         # The data path, one thread at a time: every connection's hops are answered in order.
         self._lock = threading.Lock()
@@ -287,9 +290,15 @@ class RemoteExperts:
         return "; ".join(f"{c.address} ({c.last_error})" for c in self._clients if not c.healthy)
 
     def _reconnect_loop(self) -> None:
+        """Every reconnect_interval_s: revive the unhealthy services, and check that the healthy
+        ones still host their part of the placement (health, and so /health, reports coverage)."""
         while not self._stop.wait(self.settings.reconnect_interval_s):
             for client in self._clients:
-                if not client.healthy and not self._stop.is_set():
+                if self._stop.is_set():
+                    return
+                if client.healthy:
+                    client.check_shard()
+                else:
                     client.revive()
 
 
@@ -388,17 +397,18 @@ class _LayerCall:
 
 # ---- startup --------------------------------------------------------------------------------
 
-def resolve_addresses(addresses: Sequence[str]) -> list[str]:
-    """One address per service. A name resolving to several IPs stands for all of them: that is
-    how `docker compose --scale expert=N` presents N replicas behind the one name `expert`."""
-    resolved: list[str] = []
+def resolve_addresses(addresses: Sequence[str]) -> list[tuple[str, str]]:
+    """(address to dial, host name as given) per service. A name resolving to several IPs stands
+    for all of them: that is how `docker compose --scale expert=N` presents N replicas behind the
+    one name `expert`; their TLS certificates name `expert`, not an IP."""
+    resolved: dict[str, str] = {}
     for address in addresses:
         host, _, port = address.rpartition(":")
-        ips = _resolve(host.strip("[]"), port)
+        host = host.strip("[]")
+        ips = _resolve(host, port)
         for each in ([address] if len(ips) <= 1 else [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]):
-            if each not in resolved:
-                resolved.append(each)
-    return resolved
+            resolved.setdefault(each, host)
+    return list(resolved.items())
 
 
 def _resolve(host: str, port: str) -> list[str]:
@@ -442,8 +452,9 @@ def _describe_all(g: GGUFFile, clients: list[ExpertServiceClient], wait_s: float
         try:
             shard = client.describe(max(deadline_s - time.monotonic(), 0.001), wait_for_ready=True)
         except grpc.RpcError as e:
-            raise ExpertsUnavailable(f"expert service {client.address} did not answer within "
-                                     f"{wait_s:g} s: {e.code().name}: {e.details()}") from None
+            why = (f"did not answer within {wait_s:g} s"
+                   if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE) else "refused us")
+            raise ExpertsUnavailable(f"expert service {client.address} {why}: {e.code().name}: {e.details()}") from None
         _check_same_model(g, client)
         shards.append(shard)
     return shards

@@ -23,6 +23,7 @@ class KVCache:
                  entry_shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
         self.num_blocks = num_blocks
         self.kv_block_tokens = kv_block_tokens
+        self.dtype, self.device = dtype, device
         num_slots = num_blocks * kv_block_tokens
         self._slot_dims = {name: max(0, len(shape) - 1) for name, shape in entry_shapes.items()}
         self._pools = [
@@ -43,6 +44,11 @@ class KVCache:
         for name, value in entries.items():
             dim = self._slot_dims[name]
             pool[name].index_copy_(dim, slots, value.to(pool[name].dtype).movedim(0, dim))
+
+    def pools(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's whole pools ([*shape[:-1], slots, shape[-1]]), for kernels that address
+        slots themselves (kernels.decode_attention). Do not write to them."""
+        return self._pools[layer]
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each entry at `slots` [C] as [C, *shape]: a view of the pool when the slots run

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attention_service.attention import use_native_decode
 from attention_service.batch import StepBatch
 from attention_service.kv_cache import KVCache
 from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
+from kernels.decode_attention import decode_attention
 from kernels.linear import LinearWeight, QuantLinear
 from modelfile.gguf_file import GGUFError
 from modelfile.hparams import ModelConfig, RopeScaling
@@ -68,6 +70,13 @@ def latent_attention(q: torch.Tensor, ctx: torch.Tensor, q_positions: torch.Tens
     return out.to(q.dtype)
 
 
+def _check_config(cfg: ModelConfig, file_name: str) -> None:
+    if cfg.kv_lora_rank <= 0 or cfg.mla_key_head_dim <= cfg.rope_dims or cfg.mla_value_head_dim <= 0:
+        raise GGUFError(f"{file_name}: MLA needs {cfg.arch}.attention.kv_lora_rank, .key_length_mla (above "
+                        f"rope.dimension_count) and .value_length_mla (files from llama.cpp's converter since the "
+                        "MLA split have them)")
+
+
 def yarn_mscales(scaling: RopeScaling | None) -> tuple[float | None, float]:
     """(cos/sin magnitude, or None for Rope's own; softmax-scale factor) of DeepSeek's YaRN.
 
@@ -87,9 +96,6 @@ def yarn_mscales(scaling: RopeScaling | None) -> tuple[float | None, float]:
 
 class MultiLatentAttention:
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, device: torch.device):
-        if cfg.kv_lora_rank <= 0 or cfg.mla_key_head_dim <= cfg.rope_dims:
-            raise ValueError(f"{cfg.arch}: MLA needs {cfg.arch}.attention.kv_lora_rank and .key_length_mla "
-                             "(files from llama.cpp's converter since the MLA split have both)")
         self.cfg, self.spec = cfg, spec
         self.rope_dims = cfg.rope_dims
         self.nope_dims = cfg.mla_key_head_dim - cfg.rope_dims
@@ -99,17 +105,22 @@ class MultiLatentAttention:
         self.scale = softmax_scale(cfg.mla_key_head_dim) * logit_factor
 
     @staticmethod
-    def load_weights(load: WeightLoader, spec: ArchSpec, p: str) -> MLAWeights:
+    def load_weights(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, p: str) -> MLAWeights:
+        _check_config(cfg, load.g.path.name)
         if load.g.has(p + "attn_kv_b.weight"):
             raise GGUFError(f"{load.g.path.name}: tensor {p}attn_kv_b.weight is the pre-MLA-split layout; "
                             "re-convert with a current llama.cpp convert_hf_to_gguf.py (attn_k_b/attn_v_b)")
-        q_a = load.linear_optional(p + "attn_q_a.weight")
+        D, H, L, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.rope_dims
+        K, V, Q = cfg.mla_key_head_dim, cfg.mla_value_head_dim, cfg.q_lora_rank
+        q_a = load.linear_optional(p + "attn_q_a.weight", (Q, D))
         return MLAWeights(
-            q=load.linear(p + ("attn_q_b.weight" if q_a is not None else "attn_q.weight")),
-            kv_a=load.linear(p + "attn_kv_a_mqa.weight"), kv_a_norm=load.norm(p + "attn_kv_a_norm.weight"),
-            k_b=load(p + "attn_k_b.weight"), v_b=load(p + "attn_v_b.weight"),
-            out=load.linear(p + "attn_output.weight"),
-            q_a=q_a, q_a_norm=load.norm(p + "attn_q_a_norm.weight") if q_a is not None else None,
+            q=load.linear(p + "attn_q_b.weight", (H * K, Q)) if q_a is not None
+            else load.linear(p + "attn_q.weight", (H * K, D)),
+            kv_a=load.linear(p + "attn_kv_a_mqa.weight", (L + R, D)),
+            kv_a_norm=load.norm(p + "attn_kv_a_norm.weight", (L,)),
+            k_b=load(p + "attn_k_b.weight", (H, L, K - R)), v_b=load(p + "attn_v_b.weight", (H, V, L)),
+            out=load.linear(p + "attn_output.weight", (D, H * V)),
+            q_a=q_a, q_a_norm=load.norm(p + "attn_q_a_norm.weight", (Q,)) if q_a is not None else None,
         )
 
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -129,6 +140,10 @@ class MultiLatentAttention:
         # q_nope·(W_k c) = (W_kᵀ q_nope)·c: the query moves into latent space, the cache stays small.
         q_latent = torch.einsum("thn,hln->thl", q_nope.to(w.k_b.dtype), w.k_b)
         q = torch.cat((q_latent, self.rope(q_rope, batch.positions).to(q_latent.dtype)), dim=-1)
+        if use_native_decode(batch, kv):
+            out = decode_attention(batch.attention_context, q, kv.pools(i)[LATENT_ENTRY], None, self.scale,
+                                   value_dims=c.kv_lora_rank).to(q.dtype)
+            return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
         out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             ctx = kv.read(i, s.context_slots)[LATENT_ENTRY]

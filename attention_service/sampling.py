@@ -55,7 +55,7 @@ class SamplingOptions:
 @dataclass(frozen=True, slots=True)
 class Sampled:
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless the request asked for logprobs or top logprobs
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
 
 
@@ -81,7 +81,7 @@ class RequestSampler:
         """logits: float32 [vocab] on the CPU.
 
         The logprobs are logits − logsumexp(logits): one pass over the vocabulary instead of a
-        whole log-softmax written out, per token.
+        whole log-softmax written out, per token; none at all when the request wants none.
         """
         o = self.options
         token = self._choose(self._penalize(logits))
@@ -89,6 +89,8 @@ class RequestSampler:
             self._counts[token] += 1
         if self._seen is not None:
             self._seen[token] = True
+        if not (o.logprobs or o.top_logprobs):
+            return Sampled(token, None, ())
         norm = torch.logsumexp(logits, dim=-1)
         top: tuple[tuple[int, float], ...] = ()
         if o.top_logprobs:

@@ -95,14 +95,15 @@ def _template_kwargs(chat: pb.ChatPrompt) -> dict:
 class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def __init__(self):
         self.model: ServingModel | None = None
-        self.load_error = ""
+        self.load_failure: Exception | None = None
         # Rendering and tokenizing a prompt take seconds for megabytes: never on the event loop, and on
         # threads of their own, so that GetStats' thread never waits behind them.
         self._prompts = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> ServingModel:
         if self.model is None:
-            detail = f"model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+            failure = self.load_failure
+            detail = f"model failed to load: {failure}" if failure is not None else "the model is still loading"
             await context.abort(grpc.StatusCode.UNAVAILABLE, detail)
         return self.model
 
@@ -233,18 +234,21 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
                 external_stop: threading.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or `external_stop`, for servers run in a thread); in-flight requests
     are drained for up to the grace period."""
+    security = settings.security
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
-                                      ("grpc.max_receive_message_length", 256 << 20)])
+                                      ("grpc.max_receive_message_length", 256 << 20)],
+                             interceptors=security.aio_server_interceptors())
     servicer = AttentionServicer()
     attention_pb2_grpc.add_AttentionServiceServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{settings.host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    if security.add_port(server, address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
-    log.info("attention service listening on %s, loading %s", address, settings.model_path)
+    log.log(logging.INFO if security.token else logging.WARNING, "attention service listening on %s (%s), loading %s",
+            address, security.describe_server(), settings.model_path)
     stop = _stop_event()
     if external_stop is not None:
         loop = asyncio.get_running_loop()
@@ -258,17 +262,17 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
     if servicer.model is not None:
         servicer.model.engine.stop()
         servicer.model.experts.close()
-    elif servicer.load_error:
-        raise SystemExit(f"attention service: model failed to load: {servicer.load_error}")
+    elif servicer.load_failure is not None:
+        raise servicer.load_failure  # the command's one line and exit code, as any command's
 
 
 async def _load(servicer: AttentionServicer, health, settings: AttentionSettings, stop: asyncio.Event) -> None:
     started = time.monotonic()
     try:
         model = await asyncio.to_thread(load_serving_model, settings)
-    except Exception as e:  # noqa: BLE001 - the process exits: a supervisor sees it and says why
-        servicer.load_error = str(e)
-        log.error("model failed to load: %s", e)
+    except Exception as e:  # noqa: BLE001 - serve() raises it once the server stopped: the process exits
+        servicer.load_failure = e
+        log.debug("model failed to load", exc_info=True)
         stop.set()
         return
     model.engine.start()

@@ -151,4 +151,4 @@ def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBack
         return InProcessExperts(g)
     return RemoteExperts(g, RemoteExpertsSettings(
         addresses=settings.expert_services, expert_timeout_s=settings.expert_timeout_s,
-        local_layers=settings.local_expert_layers, transport=settings.transport))
+        local_layers=settings.local_expert_layers, transport=settings.transport, security=settings.security))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitmoe.cluster_auth import ClusterSecurity
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionSettings:
@@ -10,7 +12,7 @@ class AttentionSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     served_model_name: str = ""  # default: the GGUF file's stem
-    dtype: str = "float32"
+    dtype: str = "bfloat16"  # the fast path; float32 is the exact reference
     device: str = ""  # default: cuda when present, else cpu
     kv_cache_tokens: int = 16384
     kv_block_tokens: int = 16
@@ -27,6 +29,8 @@ class AttentionSettings:
     # 2: each step of several sequences runs as two pipelined halves, attention of one overlapping
     # the remote experts of the other; pays only where halving a batch halves its cost (see README)
     micro_batches: int = 1
+    # The secret its callers must present and that it presents to the expert services; TLS both ways
+    security: ClusterSecurity = ClusterSecurity()
 
     def __post_init__(self):
         if self.transport not in ("auto", "grpc", "shm"):
@@ -39,3 +43,4 @@ class AttentionSettings:
             raise ValueError(f"micro_batches must be 1 or 2, not {self.micro_batches}")
         if self.max_batch_tokens < 1 or self.max_running_seqs < 1:
             raise ValueError("max_batch_tokens and max_running_seqs must be >= 1")
+        self.security.check_listen(self.host)

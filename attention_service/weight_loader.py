@@ -4,14 +4,21 @@ Float32 mode (and any non-CPU device) dequantizes every weight at load, exactly.
 bfloat16 on the CPU, keeps each block-quantized linear weight and the token embedding as the
 file's blocks (kernels/linear.py) and dequantizes the rest (F32/F16/BF16 tensors, MLA's per-head
 maps) to bfloat16 as before. Norms, router, biases the caller asks float32 for stay float32.
+
+Every read names the shape the hyper-parameters give the tensor, checked before anything is
+copied (GGUFFile.tensor): a file whose tensors disagree with its metadata fails at load, never
+at the first request. The loader also remembers what it read, so that the model can refuse
+tensors nothing reads (a renamed `output.weight` must not pass as a tied embedding).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.linear import QuantEmbedding, QuantLinear, is_block_quantized
-from kernels.quants import dequantize
+from kernels.quants import QuantTensor, dequantize
 from modelfile.gguf_file import GGUFFile
+
+Shape = tuple[int, ...]
 
 
 def quantized_mode(dtype: torch.dtype, device: torch.device) -> bool:
@@ -23,28 +30,37 @@ class WeightLoader:
     def __init__(self, g: GGUFFile, dtype: torch.dtype, device: torch.device, quantized: bool | None = None):
         self.g, self.dtype, self.device = g, dtype, device
         self.quantized = quantized_mode(dtype, device) if quantized is None else quantized
+        self.used: set[str] = set()  # every tensor read so far
 
-    def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.g.tensor(name)).to(device=self.device, dtype=dtype or self.dtype)
+    def tensor(self, name: str, shape: Shape) -> QuantTensor:
+        qt = self.g.tensor(name, shape)
+        self.used.add(name)
+        return qt
 
-    def optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        return self(name, dtype) if self.g.has(name) else None
+    def __call__(self, name: str, shape: Shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._dense(self.tensor(name, shape), dtype)
 
-    def norm(self, name: str) -> torch.Tensor:
-        return self(name, torch.float32)
+    def optional(self, name: str, shape: Shape, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self(name, shape, dtype) if self.g.has(name) else None
 
-    def linear(self, name: str) -> torch.Tensor | QuantLinear:
+    def norm(self, name: str, shape: Shape) -> torch.Tensor:
+        return self(name, shape, torch.float32)
+
+    def linear(self, name: str, shape: Shape) -> torch.Tensor | QuantLinear:
         """A weight used as x @ W.T: a QuantLinear in the fast mode when its type is block-quantized."""
-        qt = self.g.tensor(name)
+        qt = self.tensor(name, shape)
         if self.quantized and len(qt.shape) == 2 and is_block_quantized(qt.ggml_type):
             return QuantLinear(qt, self.dtype)
-        return self(name)
+        return self._dense(qt)
 
-    def linear_optional(self, name: str) -> torch.Tensor | QuantLinear | None:
-        return self.linear(name) if self.g.has(name) else None
+    def linear_optional(self, name: str, shape: Shape) -> torch.Tensor | QuantLinear | None:
+        return self.linear(name, shape) if self.g.has(name) else None
 
-    def embedding(self, name: str) -> torch.Tensor | QuantEmbedding:
-        qt = self.g.tensor(name)
+    def embedding(self, name: str, shape: Shape) -> torch.Tensor | QuantEmbedding:
+        qt = self.tensor(name, shape)
         if self.quantized and len(qt.shape) == 2 and is_block_quantized(qt.ggml_type):
             return QuantEmbedding(qt, self.dtype)
-        return self(name)
+        return self._dense(qt)
+
+    def _dense(self, qt: QuantTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(qt).to(device=self.device, dtype=dtype or self.dtype)

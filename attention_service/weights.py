@@ -7,6 +7,7 @@ quantized blocks (kernels/linear.py: QuantLinear, QuantEmbedding); see weight_lo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,11 @@ import torch
 from attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
 from attention_service.weight_loader import WeightLoader
 from kernels.linear import LinearWeight, QuantEmbedding
+from modelfile.experts import expert_tensor_names, moe_layers
 from modelfile.gguf_file import GGUFError, GGUFFile
 from modelfile.hparams import ModelConfig
+
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass
@@ -58,47 +62,73 @@ class ModelWeights:
 def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> ModelWeights:
     load = WeightLoader(g, dtype, device)
-    embedding = load.embedding("token_embd.weight")
-    output = load.linear_optional("output.weight")
+    vocab = (cfg.vocab_size, cfg.hidden_size)
+    embedding = load.embedding("token_embd.weight", vocab)
+    output = load.linear_optional("output.weight", vocab)
     if output is None:  # tied embeddings: the same tensor, or a QuantLinear over the same blocks
-        output = embedding if isinstance(embedding, torch.Tensor) else load.linear("token_embd.weight")
-    return ModelWeights(
+        output = embedding if isinstance(embedding, torch.Tensor) else load.linear("token_embd.weight", vocab)
+    weights = ModelWeights(
         token_embedding=embedding,
         layers=[_load_layer(load, spec, cfg, i) for i in range(cfg.num_layers)],
-        output_norm=load.norm("output_norm.weight"),
+        output_norm=load.norm("output_norm.weight", (cfg.hidden_size,)),
         output=output,
     )
+    _check_every_tensor_read(g, cfg, load.used)
+    return weights
 
 
 def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"blk.{i}."
     is_moe = load.g.has(p + "ffn_gate_inp.weight")
     return LayerWeights(
-        attn_norm=load.norm(p + "attn_norm.weight"),
-        attn=spec.attention.load_weights(load, spec, p),
-        ffn_norm=load.norm(f"{p}{spec.ffn_norm}.weight"),
-        dense_ffn=None if is_moe else _load_dense(load, p, ""),
-        moe=_load_moe(load, spec, p) if is_moe else None,
+        attn_norm=load.norm(p + "attn_norm.weight", (cfg.hidden_size,)),
+        attn=spec.attention.load_weights(load, spec, cfg, p),
+        ffn_norm=load.norm(f"{p}{spec.ffn_norm}.weight", (cfg.hidden_size,)),
+        dense_ffn=None if is_moe else _load_dense(load, cfg, p, "", cfg.dense_ffn),
+        moe=_load_moe(load, spec, cfg, p) if is_moe else None,
     )
 
 
-def _load_dense(load: WeightLoader, p: str, suffix: str) -> DenseFFNWeights:
-    return DenseFFNWeights(gate=load.linear(f"{p}ffn_gate{suffix}.weight"),
-                           up=load.linear(f"{p}ffn_up{suffix}.weight"),
-                           down=load.linear(f"{p}ffn_down{suffix}.weight"))
+def _load_dense(load: WeightLoader, cfg: ModelConfig, p: str, suffix: str, width: int) -> DenseFFNWeights:
+    """`width`: the FFN width the file states, or 0 where it states none; then the gate's is taken,
+    and up and down must agree with it."""
+    gate = f"{p}ffn_gate{suffix}.weight"
+    width = width or load.g.tensor(gate).shape[0]
+    D = cfg.hidden_size
+    return DenseFFNWeights(gate=load.linear(gate, (width, D)),
+                           up=load.linear(f"{p}ffn_up{suffix}.weight", (width, D)),
+                           down=load.linear(f"{p}ffn_down{suffix}.weight", (D, width)))
 
 
-def _load_moe(load: WeightLoader, spec: ArchSpec, p: str) -> MoEWeights:
+def _load_moe(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, p: str) -> MoEWeights:
+    E, D = cfg.num_experts, cfg.hidden_size
     shared = None
     if spec.shared_expert != SHARED_EXPERT_NONE:
-        shared = _load_dense(load, p, "_shexp")
+        shared = _load_dense(load, cfg, p, "_shexp", cfg.shared_expert_ffn)
     shared_gate = None
     if spec.shared_expert == SHARED_EXPERT_GATED:
-        # llama-quantize drops the trailing 1 of [1, D], so this may be 1-D.
-        shared_gate = load.norm(p + "ffn_gate_inp_shexp.weight").reshape(1, -1)
-    router = load.norm(p + "ffn_gate_inp.weight")
-    if router.ndim != 2:
-        raise GGUFError(f"{load.g.path.name}: tensor {p}ffn_gate_inp.weight has shape {list(router.shape)}, expected 2-D")
-    return MoEWeights(router=router, shared=shared, shared_gate=shared_gate,
-                      router_bias=load.optional(p + "ffn_gate_inp.bias", torch.float32),
-                      selection_bias=load.optional(p + "exp_probs_b.bias", torch.float32))
+        shared_gate = load.norm(p + "ffn_gate_inp_shexp.weight", (1, D))
+    f32 = torch.float32
+    return MoEWeights(router=load.norm(p + "ffn_gate_inp.weight", (E, D)), shared=shared, shared_gate=shared_gate,
+                      router_bias=load.optional(p + "ffn_gate_inp.bias", (E,), f32),
+                      selection_bias=load.optional(p + "exp_probs_b.bias", (E,), f32))
+
+
+def _check_every_tensor_read(g: GGUFFile, cfg: ModelConfig, used: set[str]) -> None:
+    """Every tensor of the file is one the model reads, here or on the expert side.
+
+    As llama.cpp counts them: a tensor nothing reads is a file that is not what its metadata says
+    (a renamed `output.weight` would otherwise pass as tied embeddings, a `block_count` too small
+    would silently drop layers).
+    """
+    known = set(used)
+    for layer in moe_layers(g):
+        known |= expert_tensor_names(g, layer)
+    for name in g.tensor_names:
+        if name in known:
+            continue
+        match = _LAYER.match(name)
+        if match and int(match.group(1)) >= cfg.num_layers:
+            raise GGUFError(f"{g.path.name}: tensor {name!r} is past the last layer "
+                            f"({g.arch}.block_count = {cfg.num_layers})")
+        raise GGUFError(f"{g.path.name}: tensor {name!r} is unknown to a {g.arch} model of these hyper-parameters")

@@ -16,6 +16,7 @@ import torch
 
 from modelfile.experts import expert_count, load_layer_experts, moe_layers
 from modelfile.gguf_file import GGUFFile
+from modelfile.hparams import ModelConfig
 
 
 def read_bandwidth_gb_s(threads: int, buffer_mb: int = 1024, repeats: int = 5) -> float:
@@ -46,7 +47,7 @@ class ExpertBytes:
     @classmethod
     def of(cls, g: GGUFFile) -> "ExpertBytes":
         per_expert = {layer: load_layer_experts(g, layer, [0])[0].num_bytes for layer in moe_layers(g)}
-        return cls(per_expert, int(g.arch_require("expert_used_count")), expert_count(g))
+        return cls(per_expert, ModelConfig.from_gguf(g).num_experts_used, expert_count(g))
 
     @property
     def per_token(self) -> int:

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-import grpc
-
 from bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, Measured, measure
 from bench.workload import Prompts, Workload
 
@@ -50,6 +48,7 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
                  say: Callable[[str], None]) -> ServicesResult:
     """Start the stack, measure, stop it. Raises ServiceFailed (a service died; its log quoted)
     or KeyboardInterrupt (Ctrl-C, which the supervisor catches while its children run)."""
+    from splitmoe.cluster_auth import ClusterSecurity
     from splitmoe.commands.up import UpSettings, split_threads
     from splitmoe.supervisor import StopRequested, Supervisor
 
@@ -62,7 +61,9 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
             attention_address = _start(supervisor, settings, options, workload)
             startup_s = time.perf_counter() - started
             say(f"    services ready in {startup_s:.0f} s")
-            measured, hops = asyncio.run(_drive(supervisor, attention_address, workload, prompts, options, say))
+            security = ClusterSecurity(token=settings.cluster_token)
+            measured, hops = asyncio.run(_drive(supervisor, attention_address, security, workload, prompts, options,
+                                                say))
         except StopRequested:
             raise KeyboardInterrupt from None
     if not options.expert_services:
@@ -96,15 +97,16 @@ def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -
     return attention.address
 
 
-async def _drive(supervisor, address: str, workload: Workload, prompts: Prompts, options: ServicesOptions,
+async def _drive(supervisor, address: str, security, workload: Workload, prompts: Prompts, options: ServicesOptions,
                  say: Callable[[str], None]) -> tuple[Measured, HopOverhead | None]:
     from gateway.attention_client import AttentionClient
     from gateway.settings import GatewaySettings
 
     from proto.attention_pb2_grpc import AttentionServiceStub
 
-    client = AttentionClient(GatewaySettings(attention_address=address, request_timeout_s=options.request_timeout_s))
-    stats_channel = grpc.aio.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    client = AttentionClient(GatewaySettings(attention_address=address, request_timeout_s=options.request_timeout_s,
+                                             cluster=security))
+    stats_channel = security.aio_channel(address, [("grpc.enable_http_proxy", 0)])
     engine = ServicesEngine(client, AttentionServiceStub(stats_channel))
     work = asyncio.create_task(measure(engine, workload, prompts, say))
     watch = asyncio.create_task(_watch(supervisor))

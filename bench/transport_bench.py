@@ -191,6 +191,7 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
     from attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence
     from modelfile.gguf_file import GGUFFile
     from tests.support.expert_services import ExpertServices
+    from tests.support.processes import CLUSTER
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="splitmoe-pipeline-") as logs:
@@ -201,7 +202,7 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
                 services.start(f"experts{i}", model, "--unassigned", "--threads", str(threads))
             services.wait(300)
             addresses = tuple(services.address(f"experts{i}") for i in range(num_services))
-            settings = RemoteExpertsSettings(addresses, transport=transport, expert_timeout_s=120)
+            settings = RemoteExpertsSettings(addresses, transport=transport, expert_timeout_s=120, security=CLUSTER)
             with RemoteExperts(g, settings) as experts:
                 options = RunnerOptions(dtype=DTYPES[dtype], device=torch.device("cpu"), kv_cache_tokens=64 * num_seqs,
                                         micro_batches=2)

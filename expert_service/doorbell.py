@@ -1,13 +1,17 @@
 """The expert service's end of the co-located fast path (proto/doorbell.py).
 
 A listener on a Unix SOCK_SEQPACKET socket in the abstract namespace (nothing on disk; gone with
-the process) and one thread per attention connection. Each connection names up to
-`NUM_SLOTS` shared-memory regions; a request's tensors are views of its slot (no copy, no
-allocation beyond a few cached tensor views), `HostedShard.forward` computes, and the output is
-copied into the slot's output area before the reply header goes back.
+the process) and one thread per attention connection. Any local process can connect to an
+abstract socket, so a connection first proves it holds the cluster secret (a challenge answered
+with an HMAC), and the kernel tells who it is (SO_PEERCRED): it may then name up to `NUM_SLOTS`
+shared-memory regions, each of which must be its own (proto/shm.py `ShmRegion.attach`). A
+request's tensors are views of its slot (no copy, no allocation beyond a few cached tensor
+views), `HostedShard.forward` computes, and the output is copied into the slot's output area
+before the reply header goes back.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import secrets
@@ -19,19 +23,21 @@ from opentelemetry import propagate, trace
 
 from expert_service.shard import HostedShard
 from proto import codec, doorbell
-from proto.shm import ShmRegion
+from proto.shm import Peer, ShmRegion
 from splitmoe.telemetry import tracer
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 _MAX_CACHED_VIEWS = 64
+_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class DoorbellServer:
     """Accepts doorbell connections and answers their hops, until closed."""
 
-    def __init__(self, hosted: HostedShard):
+    def __init__(self, hosted: HostedShard, token: str):
         self._hosted = hosted
+        self._token = token  # empty: no cluster secret, every local process may connect
         self.address = f"@splitmoe-experts-{os.getpid()}-{secrets.token_hex(6)}"
         self._listener = doorbell.new_socket()
         self._listener.bind(doorbell.socket_address(self.address))
@@ -80,7 +86,7 @@ class DoorbellServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            connection = _Connection(conn, self._hosted)
+            connection = _Connection(conn, self._hosted, self._token)
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -106,9 +112,11 @@ class _ProtocolError(Exception):
 
 
 class _Connection:
-    def __init__(self, conn: socket.socket, hosted: HostedShard):
+    def __init__(self, conn: socket.socket, hosted: HostedShard, token: str):
         self.socket = self._conn = conn
         self._hosted = hosted
+        self._token = token
+        self._peer: Peer = doorbell.peer_of(conn)
         self.computing = False  # for the shutdown drain
         self._regions: list[ShmRegion | None] = [None] * doorbell.NUM_SLOTS
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -117,7 +125,9 @@ class _Connection:
 
     def run(self) -> None:
         conn, received = self._conn, self._received
-        self._hello()
+        conn.settimeout(_HANDSHAKE_TIMEOUT_S)  # a peer that never proves itself must not keep a thread
+        self._handshake()
+        conn.settimeout(None)
         while True:
             length = conn.recv_into(received)
             if length == 0:
@@ -126,13 +136,13 @@ class _Connection:
             if length < doorbell.REQUEST.size or received[0] != doorbell.KIND_FORWARD:
                 raise _ProtocolError(f"a {length}-byte message that is not a hop request")
             (_, dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
-             name_length, trace_length) = doorbell.REQUEST.unpack_from(received)
+             announced_length, trace_length) = doorbell.REQUEST.unpack_from(received)
             status, compute_ns, error = doorbell.STATUS_OK, 0, b""
             try:
-                if name_length:
-                    self._map(slot, received[doorbell.REQUEST.size:doorbell.REQUEST.size + name_length])
-                traceparent = received[doorbell.REQUEST.size + name_length:
-                                       doorbell.REQUEST.size + name_length + trace_length] if trace_length else None
+                if announced_length:
+                    self._map(slot, received[doorbell.REQUEST.size:doorbell.REQUEST.size + announced_length])
+                start = doorbell.REQUEST.size + announced_length
+                traceparent = received[start:start + trace_length] if trace_length else None
                 compute_ns = self._forward_traced(traceparent, slot, layer, num_tokens, top_k, hidden_size, dtype)
             # Whatever one request does wrong, the connection must survive for the next layer.
             except Exception as e:  # noqa: BLE001
@@ -154,23 +164,41 @@ class _Connection:
                 region.close()
         self._conn.close()
 
-    def _hello(self) -> None:
+    def _handshake(self) -> None:
+        """The version, then the proof of the cluster secret: nothing is mapped before both."""
         length = self._conn.recv_into(self._received)
         if length < doorbell.HELLO.size:
             raise _ProtocolError("no handshake")
         kind, version, magic = doorbell.HELLO.unpack_from(self._received)
         if kind != doorbell.KIND_HELLO or magic != doorbell.MAGIC:
             raise _ProtocolError("not a SplitMoE doorbell handshake")
-        ok = version == doorbell.VERSION
-        error = b"" if ok else f"doorbell version {version}: this service speaks {doorbell.VERSION}".encode()
-        self._conn.send(doorbell.REPLY.pack(doorbell.KIND_HELLO, doorbell.STATUS_OK if ok else doorbell.STATUS_ERROR,
-                                            doorbell.VERSION, 0, 0, 0) + error)
-        if not ok:
-            raise _ProtocolError(error.decode())
+        if version != doorbell.VERSION:
+            self._refuse(doorbell.KIND_HELLO, f"doorbell version {version}: this service speaks {doorbell.VERSION}")
+        challenge = secrets.token_bytes(doorbell.NONCE_BYTES)
+        self._conn.send(self._reply_header(doorbell.KIND_HELLO, doorbell.STATUS_OK) + challenge)
+        length = self._conn.recv_into(self._received)
+        if length < doorbell.PROOF.size or self._received[0] != doorbell.KIND_PROOF:
+            raise _ProtocolError(f"{self._peer_label()}: no proof of the cluster secret")
+        _, presented = doorbell.PROOF.unpack_from(self._received)
+        if self._token and not hmac.compare_digest(presented, doorbell.proof(self._token, challenge)):
+            self._refuse(doorbell.KIND_PROOF, f"{self._peer_label()}: wrong cluster secret")
+        self._conn.send(self._reply_header(doorbell.KIND_PROOF, doorbell.STATUS_OK))
 
-    def _map(self, slot: int, name: bytearray) -> None:
+    def _refuse(self, kind: int, why: str) -> None:
+        self._conn.send(self._reply_header(kind, doorbell.STATUS_ERROR) + why.encode())
+        raise _ProtocolError(why)
+
+    @staticmethod
+    def _reply_header(kind: int, status: int) -> bytes:
+        return doorbell.REPLY.pack(kind, status, doorbell.VERSION, 0, 0, 0)
+
+    def _peer_label(self) -> str:
+        return f"peer pid {self._peer.pid} uid {self._peer.uid}"
+
+    def _map(self, slot: int, announced: bytearray) -> None:
         self._check_slot(slot)
-        region = ShmRegion.attach(name.decode(errors="replace"))
+        name, num_bytes = doorbell.parse_announcement(announced)
+        region = ShmRegion.attach(name, num_bytes, self._peer)
         old, self._regions[slot] = self._regions[slot], region
         self._views = {k: v for k, v in self._views.items() if k[0] != slot}
         if old is not None:

@@ -25,7 +25,6 @@ from expert_service.settings import ExpertServiceSettings
 from expert_service.shard import HostedShard, ShardDescription
 from modelfile.experts import format_ranges
 from proto import codec, expert_pb2, expert_pb2_grpc
-from proto.shm import ShmMappings
 from splitmoe.telemetry import extract_grpc_context, tracer
 
 log = logging.getLogger(__name__)
@@ -74,33 +73,28 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     def Forward(self, request_iterator: Iterator[expert_pb2.ExpertRequest], context) -> Iterator[expert_pb2.ExpertResponse]:
         stream_context = extract_grpc_context(context.invocation_metadata())
-        mappings = ShmMappings()
-        try:
-            for request in request_iterator:
-                yield self._answer(request, mappings, stream_context)
-        finally:
-            mappings.close()
+        for request in request_iterator:
+            yield self._answer(request, stream_context)
 
-    def _answer(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings, stream_context) -> expert_pb2.ExpertResponse:
+    def _answer(self, request: expert_pb2.ExpertRequest, stream_context) -> expert_pb2.ExpertResponse:
         self.busy(1)
         try:
-            return self._answer_traced(request, mappings, stream_context)
+            return self._answer_traced(request, stream_context)
         finally:
             self.busy(-1)
 
-    def _answer_traced(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings,
-                       stream_context) -> expert_pb2.ExpertResponse:
+    def _answer_traced(self, request: expert_pb2.ExpertRequest, stream_context) -> expert_pb2.ExpertResponse:
         parent = extract_grpc_context(request.trace_context.items()) if request.trace_context else stream_context
         if not trace.get_current_span(parent).get_span_context().is_valid:
             # No caller trace to join: a root span per layer call would be noise, and costs ~50 us.
-            return self._answer_in_band(request, mappings)
+            return self._answer_in_band(request)
         with _tracer.start_as_current_span("expert.forward", context=parent,
                                            attributes={"splitmoe.layer": request.layer}):
-            return self._answer_in_band(request, mappings)
+            return self._answer_in_band(request)
 
-    def _answer_in_band(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings) -> expert_pb2.ExpertResponse:
+    def _answer_in_band(self, request: expert_pb2.ExpertRequest) -> expert_pb2.ExpertResponse:
         try:
-            return self._compute(request, mappings)
+            return self._compute(request)
         # Whatever one request does wrong, the stream must survive for the next layer.
         except Exception as e:  # noqa: BLE001
             trace.get_current_span().record_exception(e)
@@ -108,16 +102,13 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             return expert_pb2.ExpertResponse(step_id=request.step_id, layer=request.layer,
                                              error=f"{type(e).__name__}: {e}")
 
-    def _compute(self, request: expert_pb2.ExpertRequest, mappings: ShmMappings) -> expert_pb2.ExpertResponse:
-        hidden = codec.decode(request.hidden, mappings.get)
-        expert_ids = codec.decode(request.expert_ids, mappings.get)
-        expert_weights = codec.decode(request.expert_weights, mappings.get)
+    def _compute(self, request: expert_pb2.ExpertRequest) -> expert_pb2.ExpertResponse:
+        hidden = codec.decode(request.hidden)
+        expert_ids = codec.decode(request.expert_ids)
+        expert_weights = codec.decode(request.expert_weights)
         out, compute_s = self.hosted.forward(request.layer, hidden, expert_ids, expert_weights)
         response = expert_pb2.ExpertResponse(step_id=request.step_id, layer=request.layer, compute_s=compute_s)
-        if request.HasField("output_shm"):
-            _write_output(codec.decode(request.output_shm, mappings.get), out)
-        else:
-            codec.encode(out, response.output)
+        codec.encode(out, response.output)
         return response
 
     def _shard_info(self, described: ShardDescription) -> expert_pb2.ShardInfo:
@@ -127,12 +118,6 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
             num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads(),
             doorbell=self.doorbell)
-
-
-def _write_output(slot: torch.Tensor, out: torch.Tensor) -> None:
-    if slot.shape != out.shape:
-        raise ValueError(f"output_shm has shape {list(slot.shape)}, the output is {list(out.shape)}")
-    slot.copy_(out)
 
 
 def describe_shard(described: ShardDescription) -> str:
@@ -148,7 +133,7 @@ class ExpertServer:
     def __init__(self, settings: ExpertServiceSettings, hosted: HostedShard):
         self.settings = settings
         self.servicer = ExpertServicer(hosted)
-        self.doorbell = DoorbellServer(hosted) if settings.doorbell else None
+        self.doorbell = DoorbellServer(hosted, settings.security.token) if settings.doorbell else None
         if self.doorbell is not None:
             self.servicer.doorbell = self.doorbell.address
         self.health = health.HealthServicer()
@@ -156,15 +141,18 @@ class ExpertServer:
                    ("grpc.max_receive_message_length", settings.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # a second server on our port must fail, not share it
         self._server = grpc.server(futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="expert-rpc"),
-                                   options=options)
+                                   options=options, interceptors=settings.security.server_interceptors())
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
 
     def start(self) -> int:
         """Bind and serve; returns the bound port."""
-        port = self._server.add_insecure_port(self.settings.address)
+        port = self.settings.security.add_port(self._server, self.settings.address)
         if port == 0:
             raise OSError(f"expert service: cannot listen on {self.settings.address}")
+        security = self.settings.security
+        log.log(logging.INFO if security.token else logging.WARNING, "expert service on %s: %s",
+                self.settings.address, security.describe_server())
         self._server.start()
         if self.doorbell is not None:
             self.doorbell.start()

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitmoe.cluster_auth import ClusterSecurity
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertServiceSettings:
@@ -21,6 +23,7 @@ class ExpertServiceSettings:
     shutdown_grace_s: float = 5.0
     otlp_endpoint: str = ""                 # OTLP collector for spans; empty: none exported
     doorbell: bool = True                   # offer co-located clients the shared-memory doorbell
+    security: ClusterSecurity = ClusterSecurity()  # the secret callers must present; TLS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -33,6 +36,7 @@ class ExpertServiceSettings:
             raise ValueError("--cpus is empty")
         if self.max_workers < 2:
             raise ValueError("max_workers must leave room for a stream and a unary call")
+        self.security.check_listen(self.host)
 
     @property
     def address(self) -> str:

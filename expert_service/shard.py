@@ -19,6 +19,7 @@ import torch
 
 from modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
 from modelfile.gguf_file import GGUFFile
+from modelfile.hparams import ModelConfig
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -44,11 +45,11 @@ class HostedShard:
                  prepare_fast: bool = True):
         self.g = g
         self._prepare_fast = prepare_fast
-        self.hidden_size = int(g.arch_require("embedding_length"))
+        cfg = ModelConfig.from_gguf(g)  # checked: the sizes below come from the file
+        self.hidden_size = cfg.hidden_size
         self.num_experts = expert_count(g)
         self.moe_layers = tuple(moe_layers(g))
-        num_blocks = int(g.arch_require("block_count"))
-        self._tokens = torch.zeros(num_blocks, self.num_experts, dtype=torch.int64)
+        self._tokens = torch.zeros(cfg.num_layers, self.num_experts, dtype=torch.int64)
         self._lock = threading.Lock()
         self._num_requests, self._compute_s = 0, 0.0
         self._shard, self._hosted = self._build(layers, experts)

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admission import Admission
-from gateway.attention_client import AttentionClient
+from gateway.attention_client import AttentionClient, AttentionError
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_types import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, error_response, validation_error,
@@ -83,6 +83,21 @@ async def health(raw: Request) -> Response:
 async def metrics(raw: Request) -> Response:
     ops: OpsHandler = raw.app.state.ops
     return Response(content=await ops.metrics_text(), media_type=CONTENT_TYPE)
+
+
+@router.get("/")
+@router.get("/v1")
+async def index(raw: Request) -> Response:
+    """The URLs `splitmoe up` prints answer: what is served here and where the API's routes are."""
+    model: ServedModel = raw.app.state.model
+    try:
+        name = await model.resolve(None)
+    except AttentionError:  # loading, or the attention service is down: the index still answers
+        name = None
+    routes = sorted({(method, route.path) for route in router.routes for method in getattr(route, "methods", ())})
+    return JSONResponse({"object": "splitmoe.index", "model": name if isinstance(name, str) else None,
+                         "openai_base_url": "/v1",
+                         "routes": [f"{method} {path}" for method, path in routes]})
 
 
 class RequestId:

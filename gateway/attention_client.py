@@ -81,7 +81,7 @@ class AttentionClient:
     def __init__(self, settings: GatewaySettings) -> None:
         self._request_timeout_s = settings.request_timeout_s
         self._probe_timeout_s = settings.probe_timeout_s
-        self._channel = grpc.aio.insecure_channel(settings.attention_address, options=CHANNEL_OPTIONS)
+        self._channel = settings.cluster.aio_channel(settings.attention_address, CHANNEL_OPTIONS)
         self._stub = AttentionServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitmoe import settings as process_settings
+from splitmoe.cluster_auth import ClusterSecurity
 
 # The fallback of --api-key (llama-server reads LLAMA_API_KEY the same way).
 ENV_API_KEY = "SPLITMOE_API_KEY"
@@ -20,7 +21,7 @@ class GatewaySettings:
     attention_address: str                 # HOST:PORT of the attention service's gRPC server
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None             # None: no authentication on /v1/*
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication on /v1/*
     served_model_name: str | None = None   # None: the model_id the attention service reports
     request_timeout_s: float = 600.0       # deadline of one Generate/Score call (whole generation)
     probe_timeout_s: float = 5.0           # deadline of ModelInfo/GetStats (health, metrics, /v1/models)
@@ -31,6 +32,7 @@ class GatewaySettings:
     graceful_shutdown_s: float = 30.0      # in-flight requests get this long to finish on SIGTERM
     otlp_endpoint: str | None = None
     log_level: str = "info"
+    cluster: ClusterSecurity = ClusterSecurity()  # the secret (and TLS) of calls to the attention service
 
     def __post_init__(self) -> None:
         if ":" not in self.attention_address:

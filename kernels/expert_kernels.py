@@ -10,8 +10,9 @@ Each call splits the layer's routed slots by how many tokens each expert got:
   when possible), gate and up in one [2*ffn, D] matrix, one GEMM for both, the activation in
   float32, the down GEMM, and a weighted index_add.
 
-The compute dtype of the prefill GEMMs is bfloat16 where the CPU multiplies bfloat16 natively
-(AVX-512 BF16 or AMX), else float32: emulated bfloat16 GEMMs are 2-3x slower than float32.
+The compute dtype of the prefill GEMMs is `kernels.cpu_features.gemm_dtype()`: bfloat16 where the
+CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), else float32 (emulated bfloat16 GEMMs are
+2-3x slower than float32); SPLITMOE_GEMM_DTYPE forces either.
 Accumulation and the output sum are float32; the result is returned in `hidden.dtype`.
 
 Float32 hidden states never come here: `modelfile.experts.ExpertShard` keeps them on the exact
@@ -19,7 +20,6 @@ reference path (`kernels.moe.moe_forward`).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 
 from kernels import int4pack
+from kernels.cpu_features import gemm_dtype
 from kernels.int4pack import Int4Expert
 from kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
 from kernels.quants import QuantTensor, dequantize as ref_dequantize
@@ -61,36 +62,6 @@ def native_unavailable_reason() -> str | None:
     if native is None:
         return _NATIVE_IMPORT_ERROR
     return None if native.AVAILABLE else native.UNAVAILABLE_REASON
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX-BF16 (x86), or BF16 (aarch64): where torch's bf16 GEMM is fast.
-
-    Not `torch.ops.mkldnn._is_mkldnn_bf16_supported()`: that is also true on plain AVX-512BW,
-    where oneDNN emulates bf16 more slowly than float32.
-    """
-    caps = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
-    if caps is not None:
-        try:
-            c = caps()
-            if any(k in c for k in ("avx512_bf16", "amx_bf16")):
-                return bool(c.get("avx512_bf16") or c.get("amx_bf16"))
-        except Exception:  # noqa: BLE001 - any failure: fall back to /proc
-            pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def default_compute_dtype() -> torch.dtype:
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def native_supports(ffn: ExpertFFN) -> bool:
@@ -135,7 +106,7 @@ class FastMoELayer:
         bad = [e for e in self.ffns if not 0 <= e < self.num_experts]
         if bad:
             raise ValueError(f"expert ids {bad} outside [0, {self.num_experts})")
-        self.compute_dtype = compute_dtype or default_compute_dtype()
+        self.compute_dtype = compute_dtype or gemm_dtype()
         if native_max_tokens is None:
             native_max_tokens = NATIVE_MAX_TOKENS.get(self.compute_dtype, NATIVE_MAX_TOKENS[torch.float32])
         self.native_max_tokens = native_max_tokens

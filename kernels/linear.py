@@ -7,9 +7,10 @@ time. `linear(x, w, bias)` dispatches on which:
 * few rows (<= SMALL_BATCH_ROWS, decode): the native int8 kernel `kernels.native.matmul`, which
   reads each weight byte once and quantizes the activations to int8 per block as ggml does;
 * many rows (prefill): the weight is dequantized in row chunks into a reused per-thread scratch
-  buffer and multiplied by torch's GEMM in `gemm_dtype()`: bfloat16 where the CPU computes it
-  natively (AVX512-BF16, AMX), float32 elsewhere (a bfloat16 GEMM without hardware support is
-  2-3x slower than float32). The chunks keep the scratch small; no dense copy is ever kept.
+  buffer and multiplied by torch's GEMM in `kernels.cpu_features.gemm_dtype()`: bfloat16 where
+  the CPU computes it natively (AVX512-BF16, AMX), float32 elsewhere (a bfloat16 GEMM without
+  hardware support is 2-3x slower than float32). The chunks keep the scratch small; no dense
+  copy is ever kept.
 * no native kernel for the type (or no native library at all): a dense copy in the model's dtype
   is made once at load, exactly what the bfloat16 mode did before quantized linears existed, so
   falling back never costs more memory or time than that.
@@ -19,7 +20,6 @@ A quantized linear returns float32 (the native kernel's output): callers round w
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from kernels.cpu_features import gemm_dtype
 from kernels.quants import QuantTensor, dequantize
 
 log = logging.getLogger("splitmoe.kernels")
@@ -62,18 +63,6 @@ def native():
             module = None
         _native_module = module if module is not None and module.AVAILABLE else None
     return _native_module
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX; Arm BF16)."""
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return any(bool(caps.get(name)) for name in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
-
-
-def gemm_dtype() -> torch.dtype:
-    """The dtype of the many-rows route's dequantized chunks and GEMM."""
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def is_block_quantized(ggml_type: int) -> bool:

@@ -82,7 +82,7 @@ class _Expert(ctypes.Structure):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    P, I, Z, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int64
     for name, res, args in [
         ("smk_isa", ctypes.c_char_p, []),
         ("smk_best_isa", ctypes.c_char_p, []),
@@ -94,6 +94,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_matmul", I, [I, P, Z, I, I, P, Z, I, P]),
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
+        ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, P, I, P, ctypes.c_float, I, P, P]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res

@@ -18,11 +18,13 @@ from typing import Iterable, Mapping, NamedTuple
 import torch
 
 from kernels import expert_kernels as ek
+from kernels.cpu_features import gemm_dtype
 from kernels.int4pack import can_repack
 from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
 from kernels.quants import QuantTensor, dequantize
 from kernels.repack_cache import RepackCache, load_or_repack, tensor_digest
 from modelfile.gguf_file import GGUFError, GGUFFile
+from modelfile.hparams import ModelConfig
 
 log = logging.getLogger("splitmoe.experts")
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -44,48 +46,48 @@ class ExpertKey(NamedTuple):
 
 def moe_layers(g: GGUFFile) -> list[int]:
     """Layers that have a router, in order."""
-    num_layers = int(g.arch_require("block_count"))
-    return [i for i in range(num_layers) if g.has(f"blk.{i}.ffn_gate_inp.weight")]
+    return [i for i in range(ModelConfig.from_gguf(g).num_layers) if g.has(f"blk.{i}.ffn_gate_inp.weight")]
 
 
 def expert_count(g: GGUFFile) -> int:
-    return int(g.arch_require("expert_count"))
+    num_experts = ModelConfig.from_gguf(g).num_experts
+    if num_experts == 0:
+        raise GGUFError(f"{g.path.name}: missing metadata key '{g.arch}.expert_count' (not an MoE model?)")
+    return num_experts
+
+
+def expert_tensor_names(g: GGUFFile, layer: int) -> set[str]:
+    """The tensors that hold a MoE layer's routed experts, in whichever layout the file has."""
+    if g.has(f"blk.{layer}.ffn_gate_exps.weight"):
+        names = {f"blk.{layer}.ffn_{m}_exps.{kind}" for m in _MATRICES for kind in ("weight", "bias")}
+    else:
+        names = {f"blk.{layer}.ffn_{m}.{e}.weight" for m in _MATRICES for e in range(expert_count(g))}
+    return {name for name in names if g.has(name)}
 
 
 def load_layer_experts(g: GGUFFile, layer: int, experts: Iterable[int]) -> dict[int, ExpertFFN]:
+    """Views of the experts' matrices, each checked against the hyper-parameters' shapes."""
+    cfg = ModelConfig.from_gguf(g)
+    E, D, F = expert_count(g), cfg.hidden_size, cfg.expert_ffn
+    shapes = {"gate": (F, D), "up": (F, D), "down": (D, F)}  # per expert, torch order [out, in]
     if g.has(f"blk.{layer}.ffn_gate_exps.weight"):
-        stacked = [g.tensor(f"blk.{layer}.ffn_{m}_exps.weight") for m in _MATRICES]
-        _check_stacked(g, layer, stacked)
-        biases = _stacked_biases(g, layer, stacked)
+        stacked = [g.tensor(f"blk.{layer}.ffn_{m}_exps.weight", (E, *shapes[m])) for m in _MATRICES]
+        biases = [_stacked_bias(g, f"blk.{layer}.ffn_{m}_exps.bias", (E, shapes[m][0])) for m in _MATRICES]
         activation = _ACTIVATION_BY_ARCH.get(g.arch, ACT_SILU)
         return {e: ExpertFFN(*(t[e] for t in stacked), *(None if b is None else b[e] for b in biases),
                              activation=activation) for e in experts}
     if g.has(f"blk.{layer}.ffn_gate.0.weight"):
-        return {e: ExpertFFN(*(g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight") for m in _MATRICES)) for e in experts}
+        return {e: ExpertFFN(*(g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight", shapes[m]) for m in _MATRICES))
+                for e in experts}
     raise GGUFError(f"{g.path.name}: missing tensor 'blk.{layer}.ffn_gate_exps.weight' (layer {layer} has a router)")
 
 
-def _check_stacked(g: GGUFFile, layer: int, stacked) -> None:
-    n = expert_count(g)
-    for t in stacked:
-        if len(t.shape) != 3 or t.shape[0] != n:
-            raise GGUFError(f"{g.path.name}: tensor {t.name!r} has shape {list(t.shape)}, expected [{n}, *, *]")
-
-
-def _stacked_biases(g: GGUFFile, layer: int, stacked) -> list[torch.Tensor | None]:
+def _stacked_bias(g: GGUFFile, name: str, shape: tuple[int, int]) -> torch.Tensor | None:
     """gpt-oss's `ffn_{gate,up,down}_exps.bias` [n_expert, out] as float32, or None where absent.
 
     Copied at load: they are tiny beside the matrices, and a view would be dequantized per call.
     """
-    biases = []
-    for m, weight in zip(_MATRICES, stacked):
-        name = f"blk.{layer}.ffn_{m}_exps.bias"
-        bias = dequantize(g.tensor(name)) if g.has(name) else None
-        if bias is not None and tuple(bias.shape) != tuple(weight.shape[:2]):
-            raise GGUFError(f"{g.path.name}: tensor {name!r} has shape {list(bias.shape)}, "
-                            f"expected {list(weight.shape[:2])}")
-        biases.append(bias)
-    return biases
+    return dequantize(g.tensor(name, shape)) if g.has(name) else None
 
 
 def _layer_tensors(g: GGUFFile, layer: int, experts: Iterable[int]) -> list[QuantTensor]:
@@ -130,7 +132,7 @@ def _log_fast_path(fast: Mapping[int, ek.FastMoELayer], ffns_by_layer: Mapping[i
     n_native = sum(layer.native_experts for layer in fast.values())
     n_int4 = sum(len(layer.int4) for layer in fast.values())
     n_dense = total - n_native - n_int4
-    dtype = ek.default_compute_dtype()
+    dtype = gemm_dtype()
     if use_native:
         how = (f"native kernels ({ek.native.isa()}, {ek.native.get_num_threads()} threads) on {n_native} experts, "
                f"read in place from the GGUF, nothing repacked, up to {ek.NATIVE_MAX_TOKENS.get(dtype, 0)} "

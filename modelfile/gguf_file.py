@@ -15,6 +15,13 @@ Layout (GGUF v2/v3; every number in the file's byte order):
     tensor_count x (name string | n_dims u32 | dims u64[n_dims] | ggml type u32 | offset u64)
     padding to `general.alignment` (default 32) | tensor data, offsets relative to here
 A string is a u64 byte length then UTF-8 bytes; an array is item type u32, count u64, items.
+
+What opening checks, before anything is allocated from a number the file gives: counts and
+lengths fit in the bytes the file has; every tensor has a known type, 1 to 4 dims of at least one
+element, rows that are whole quant blocks, and is aligned and inside the file; and the data section
+holds nothing but the tensors, each padded to the alignment, none overlapping another, as every
+writer (gguf-py, ggml) lays it out. A tensor count or an offset that is off then cannot pass as
+another tensor's bytes; GGUF has no checksum, so bytes inside a tensor are taken as they are.
 """
 from __future__ import annotations
 
@@ -38,6 +45,19 @@ class GGUFError(ValueError):
 
 _MISSING = object()
 
+_INT_TYPES = frozenset({GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+                        GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64})
+# What a typed read accepts for each python type: any integer width (values are range-checked by
+# whoever reads them), but never a float or bool standing in for an integer or the reverse, since
+# the same bytes read as another type are another number (llama.cpp refuses them too).
+_VALUE_KINDS: dict[type, tuple[frozenset, str]] = {
+    int: (_INT_TYPES, "an integer"),
+    float: (frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}), "a float"),
+    bool: (frozenset({GGUFValueType.BOOL}), "a bool"),
+    str: (frozenset({GGUFValueType.STRING}), "a string"),
+    list: (frozenset({GGUFValueType.ARRAY}), "an array"),
+}
+
 
 class GGUFFile:
     """Metadata as plain python values, tensors as `QuantTensor` views of the mmap."""
@@ -46,8 +66,9 @@ class GGUFFile:
         self.path = Path(path)
         self._data, header = _open(self.path)
         self.metadata: dict[str, Any] = header.metadata
+        self._value_types: dict[str, GGUFValueType] = header.value_types
         self._tensors: dict[str, _TensorInfo] = {t.name: t for t in header.tensors}
-        self.arch: str = self.require("general.architecture")
+        self.arch: str = self.value("general.architecture", str)
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -59,6 +80,21 @@ class GGUFFile:
         if value is _MISSING:
             raise GGUFError(f"{self.path.name}: missing metadata key {key!r}")
         return value
+
+    def value(self, key: str, kind: type, default: Any = _MISSING) -> Any:
+        """`key`'s value, which the file must store as `kind` (int, float, bool, str or list); `default`
+        where the key is absent, and without one a missing key is an error."""
+        value_type = self._value_types.get(key)
+        if value_type is None:
+            return self.require(key) if default is _MISSING else default
+        accepted, kind_name = _VALUE_KINDS[kind]
+        if value_type not in accepted:
+            raise GGUFError(f"{self.path.name}: metadata key {key!r} is {value_type.name}, expected {kind_name}")
+        return self.metadata[key]
+
+    def arch_value(self, key: str, kind: type, default: Any = _MISSING) -> Any:
+        """`arch_get` as `value` reads."""
+        return self.value(f"{self.arch}.{key}", kind, default)
 
     def arch_get(self, key: str, default: Any = None) -> Any:
         """`<arch>.<key>`, the llama.cpp convention for hyper-parameters."""
@@ -84,16 +120,34 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
-    def tensor(self, name: str) -> QuantTensor:
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> QuantTensor:
+        """`shape`: the torch-order shape the hyper-parameters give it, checked here.
+
+        Shapes compare as ggml compares them: size-1 dims the file lists last (first in torch
+        order) do not count, since llama-quantize drops them; the tensor comes back in `shape`.
+        """
         info = self._tensors.get(name)
         if info is None:
             raise GGUFError(f"{self.path.name}: missing tensor {name!r}")
-        qt = QuantTensor(name, int(info.ggml_type), info.shape, info.view(self._data))
+        data = info.view(self._data)
+        if shape is not None and tuple(shape) != info.shape:
+            if _without_leading_ones(shape) != _without_leading_ones(info.shape):
+                raise GGUFError(f"{self.path.name}: tensor {name!r} has shape {list(info.shape)}, but the "
+                                f"hyper-parameters give {list(shape)}")
+            data = data.reshape(tuple(shape[:-1]) + data.shape[-1:])  # the row (of values or bytes) is kept
+        qt = QuantTensor(name, int(info.ggml_type), tuple(shape) if shape is not None else info.shape, data)
         try:
             check_supported(qt)
         except ValueError as e:
             raise GGUFError(f"{self.path.name}: {e}") from None
         return qt
+
+
+def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    i = 0
+    while i < len(shape) - 1 and shape[i] == 1:
+        i += 1
+    return tuple(shape[i:])
 
 
 # ---- opening -----------------------------------------------------------------------------------
@@ -126,6 +180,7 @@ class _TensorInfo:
 @dataclass
 class _Header:
     metadata: dict[str, Any]
+    value_types: dict[str, GGUFValueType]
     tensors: list[_TensorInfo]
 
 
@@ -133,12 +188,15 @@ def _open(path: Path) -> tuple[np.memmap, _Header]:
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
     try:
+        if path.stat().st_size < _HEADER_BYTES:  # also what np.memmap cannot map: an empty file
+            raise _Unreadable(f"the file is {path.stat().st_size} bytes, shorter than a GGUF header")
         data = np.memmap(path, mode="r")  # np.memmap: tensor views stay views of the page cache
         return data, _parse(memoryview(data))
     except _Rejected as e:
         raise GGUFError(f"{path.name}: {e}") from None
-    except Exception as e:  # _Unreadable, struct.error, bad enum values, bad UTF-8 in names, ...
-        raise GGUFError(f"{path.name}: not a readable GGUF file, corrupt or truncated ({_one_line(e)})") from None
+    except Exception as e:  # _Unreadable, or the mmap itself failing (an empty file)
+        why = str(e) if isinstance(e, _Unreadable) else _one_line(e)
+        raise GGUFError(f"{path.name}: not a readable GGUF file, corrupt or truncated ({why})") from None
 
 
 def _parse(buf: memoryview) -> _Header:
@@ -147,11 +205,15 @@ def _parse(buf: memoryview) -> _Header:
         raise _Unreadable("GGUF magic invalid")
     r.endian = _byte_order(buf)
     r.offset = 8
-    tensor_count, kv_count = r.u64(), r.u64()
-    metadata, alignment = _read_metadata(r, kv_count)
-    tensor_fields = [_read_tensor_field(r) for _ in range(tensor_count)]
+    tensor_count, kv_count = r.u64("tensor_count"), r.u64("kv_count")
+    r.fits(kv_count, _MIN_KV_BYTES, "kv_count")
+    metadata, value_types, alignment = _read_metadata(r, kv_count)
+    r.fits(tensor_count, _MIN_TENSOR_INFO_BYTES, "tensor_count")
+    tensor_fields = [_read_tensor_field(r, i) for i in range(tensor_count)]
     data_start = _align(r.offset, alignment)
-    return _Header(metadata, _tensor_infos(tensor_fields, data_start, len(buf), r.endian))
+    tensors = _tensor_infos(tensor_fields, data_start, r.endian)
+    _check_data_layout(tensors, data_start, len(buf), alignment)
+    return _Header(metadata, value_types, tensors)
 
 
 def _byte_order(buf: memoryview) -> str:
@@ -169,6 +231,14 @@ def _align(offset: int, alignment: int) -> int:
     return offset + (-offset % alignment)
 
 
+_HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor_count, kv_count
+# The fewest bytes one entry can take, to bound a count by the bytes left before reading on:
+# a key/value is a key length, a value type and at least one byte of value; a tensor info is a
+# name length, n_dims, one dim, a type and an offset.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+
+
 # ---- metadata ----------------------------------------------------------------------------------
 
 # struct codes for the fixed-size value types; numpy reads whole arrays of them at once.
@@ -180,6 +250,11 @@ _SCALAR_CODES = {
     GGUFValueType.FLOAT32: "f", GGUFValueType.FLOAT64: "d",
     GGUFValueType.BOOL: "?",
 }
+# The fewest bytes an array item of a non-scalar type takes: a string's length, a nested array's
+# item type and count.
+_MIN_ITEM_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 4 + 8}
+# Arrays of arrays are legal; deeper than this is no metadata anyone writes, only a way to recurse.
+_MAX_ARRAY_DEPTH = 4
 
 # gguf-py's reader keeps these three header numbers as pseudo-keys; a file that repeats one
 # was rejected as a duplicate key, so it still is. Other "GGUF." keys are left out of metadata.
@@ -206,14 +281,22 @@ class _Reader:
         self.offset = start + n_bytes
         return start
 
-    def scalar(self, code: str, what: str = "header") -> Any:
+    def fits(self, count: int, min_bytes: int, what: str) -> None:
+        """`count` entries of at least `min_bytes` each must fit in the bytes left: checked before
+        a loop over them, so a count in the billions fails at once instead of exhausting memory."""
+        left = len(self.buf) - self.offset
+        if count * min_bytes > left:
+            raise _Rejected(f"{what} {count} needs at least {count * min_bytes} bytes, the file has {left} left: "
+                            "truncated or corrupt")
+
+    def scalar(self, code: str, what: str) -> Any:
         start = self.take(struct.calcsize(code), what)
         return struct.unpack_from(self.endian + code, self.buf, start)[0]
 
-    def u32(self, what: str = "header") -> int:
+    def u32(self, what: str) -> int:
         return self.scalar("I", what)
 
-    def u64(self, what: str = "header") -> int:
+    def u64(self, what: str) -> int:
         return self.scalar("Q", what)
 
     def raw_string(self, what: str) -> memoryview:
@@ -221,61 +304,80 @@ class _Reader:
         start = self.take(n, what)
         return self.buf[start:start + n]
 
-
-def _read_metadata(r: _Reader, kv_count: int) -> tuple[dict[str, Any], int]:
-    """All key/value pairs as python values, and the tensor data alignment they set."""
-    metadata: dict[str, Any] = {}
-    alignment = GGUF_DEFAULT_ALIGNMENT
-    for _ in range(kv_count):
-        key = str(r.raw_string("metadata key"), "utf-8")
-        value_type = GGUFValueType(r.u32(f"metadata key {key!r}"))
+    def name(self, what: str) -> str:
+        """A key or tensor name: non-empty UTF-8, or errors could not name what they are about."""
         try:
-            value = _read_value(r, value_type, f"metadata key {key!r}")
+            name = str(self.raw_string(what), "utf-8")
+        except UnicodeDecodeError:
+            raise _Rejected(f"{what} is not UTF-8") from None
+        if not name:
+            raise _Rejected(f"{what} is empty")
+        return name
+
+
+def _read_metadata(r: _Reader, kv_count: int) -> tuple[dict[str, Any], dict[str, GGUFValueType], int]:
+    """All key/value pairs as python values, their GGUF types, and the tensor data alignment."""
+    metadata: dict[str, Any] = {}
+    value_types: dict[str, GGUFValueType] = {}
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    for i in range(kv_count):
+        key = r.name(f"metadata key #{i}")
+        what = f"metadata key {key!r}"
+        value_type = _value_type(r.u32(what), what)
+        try:
+            value = _read_value(r, value_type, what, depth=0)
         except _BadValue as e:
-            raise _Rejected(f"metadata key {key!r} is malformed ({e})") from None
+            raise _Rejected(f"{what} is malformed ({e})") from None
         if key in metadata or key in _HEADER_KEYS:
-            raise _Unreadable(f"duplicate metadata key {key!r}")
+            raise _Rejected(f"duplicate metadata key {key!r}")
         if key == "general.alignment":
             alignment = _check_alignment(value_type, value)
         if not key.startswith("GGUF."):
             metadata[key] = value
-    return metadata, alignment
+            value_types[key] = value_type
+    return metadata, value_types, alignment
+
+
+def _value_type(raw: int, what: str) -> GGUFValueType:
+    try:
+        return GGUFValueType(raw)
+    except ValueError:
+        raise _Rejected(f"{what} has unknown value type {raw}") from None
 
 
 def _check_alignment(value_type: GGUFValueType, value: Any) -> int:
     if value_type != GGUFValueType.UINT32:
-        raise _Unreadable("general.alignment must be a UINT32")
+        raise _Rejected(f"metadata key 'general.alignment' is {value_type.name}, expected UINT32")
     if value == 0 or value & (value - 1):
-        raise _Unreadable(f"general.alignment {value} is not a power of two")
+        raise _Rejected(f"metadata key 'general.alignment' = {value} is not a power of two")
     return value
 
 
-def _read_value(r: _Reader, value_type: GGUFValueType, what: str) -> Any:
+def _read_value(r: _Reader, value_type: GGUFValueType, what: str, depth: int) -> Any:
     """One value: python int/float/bool for numbers, str for strings, a flat list for arrays."""
     if value_type == GGUFValueType.STRING:
         return _decode(r.raw_string(what))
     if value_type == GGUFValueType.ARRAY:
-        return _read_array(r, what)
-    code = _SCALAR_CODES.get(value_type)
-    if code is None:
-        raise _Unreadable(f"{what}: unhandled value type {value_type!r}")
-    return r.scalar(code, what)
+        if depth == _MAX_ARRAY_DEPTH:
+            raise _Rejected(f"{what} nests arrays more than {_MAX_ARRAY_DEPTH} deep")
+        return _read_array(r, what, depth + 1)
+    return r.scalar(_SCALAR_CODES[value_type], what)
 
 
-def _read_array(r: _Reader, what: str) -> list:
-    item_type, count = r.u32(what), r.u64(what)
+def _read_array(r: _Reader, what: str, depth: int) -> list:
+    item_type, count = _value_type(r.u32(what), f"{what}'s items"), r.u64(what)
+    code = _SCALAR_CODES.get(item_type)
+    r.fits(count, np.dtype(code).itemsize if code else _MIN_ITEM_BYTES[item_type], f"{what}: item count")
     if count == 0:
         return []
-    item_type = GGUFValueType(item_type)
     if item_type == GGUFValueType.STRING:
         return _read_string_array(r, count, what)
-    code = _SCALAR_CODES.get(item_type)
     if code is not None:
         dtype = np.dtype(r.endian + code)
         start = r.take(count * dtype.itemsize, what)
         return np.frombuffer(r.buf, dtype, count, start).tolist()
     # Arrays of arrays come out flattened, as gguf-py's reader gave them.
-    return [item for _ in range(count) for item in _read_value(r, item_type, what)]
+    return [item for _ in range(count) for item in _read_value(r, item_type, what, depth)]
 
 
 def _read_string_array(r: _Reader, count: int, what: str) -> list[str]:
@@ -314,6 +416,10 @@ def _decode(raw: memoryview) -> str:
 
 # ---- tensors -----------------------------------------------------------------------------------
 
+# ggml's GGML_MAX_DIMS; and its element counts are int64.
+_MAX_DIMS = 4
+_MAX_ELEMENTS = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class _TensorField:
@@ -323,10 +429,12 @@ class _TensorField:
     offset: int  # relative to the start of tensor data
 
 
-def _read_tensor_field(r: _Reader) -> _TensorField:
-    name = str(r.raw_string("tensor name"), "utf-8")
+def _read_tensor_field(r: _Reader, index: int) -> _TensorField:
+    name = r.name(f"tensor #{index}'s name")
     what = f"tensor {name!r}"
     n_dims = r.u32(what)
+    if not 1 <= n_dims <= _MAX_DIMS:
+        raise _Rejected(f"{what} has {n_dims} dims (GGUF allows 1 to {_MAX_DIMS})")
     start = r.take(8 * n_dims, what)
     dims = struct.unpack_from(f"{r.endian}{n_dims}Q", r.buf, start)
     return _TensorField(name, dims, r.u32(what), r.u64(what))
@@ -341,46 +449,62 @@ _PLAIN_DTYPES = {
 }
 
 
-def _tensor_infos(fields: list[_TensorField], data_start: int, file_bytes: int, endian: str) -> list[_TensorInfo]:
+def _tensor_infos(fields: list[_TensorField], data_start: int, endian: str) -> list[_TensorInfo]:
     infos: list[_TensorInfo] = []
     seen: set[str] = set()
     for f in fields:
         if f.name in seen:
-            raise _Unreadable(f"duplicate tensor {f.name!r}")
+            raise _Rejected(f"duplicate tensor {f.name!r}")
         seen.add(f.name)
-        infos.append(_tensor_info(f, data_start, file_bytes, endian))
+        infos.append(_tensor_info(f, data_start, endian))
     return infos
 
 
-def _tensor_info(f: _TensorField, data_start: int, file_bytes: int, endian: str) -> _TensorInfo:
+def _tensor_info(f: _TensorField, data_start: int, endian: str) -> _TensorInfo:
+    what = f"tensor {f.name!r}"
     try:
         ggml_type = GGMLQuantizationType(f.raw_type)
     except ValueError:
-        raise _Rejected(f"tensor {f.name!r} has unknown GGML type {f.raw_type}") from None
-    block_elems, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    n_bytes = math.prod(f.dims) * block_bytes // block_elems
-    data_offset = data_start + f.offset
-    # A truncated file must fail at open, not when a page fault hits a missing tensor.
-    if data_offset + n_bytes > file_bytes:
-        raise _Rejected(
-            f"tensor {f.name!r} runs past the end of the file "
-            f"(needs {data_offset + n_bytes} bytes, file has {file_bytes}): truncated?")
+        raise _Rejected(f"{what} has unknown GGML type {f.raw_type}") from None
     shape = tuple(reversed(f.dims))
+    if min(f.dims) < 1 or math.prod(f.dims) > _MAX_ELEMENTS:
+        raise _Rejected(f"{what} has shape {list(shape)}: every dim must be at least 1, "
+                        f"and at most 2^63-1 elements in all")
+    block_elems, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if f.dims[0] % block_elems:
+        raise _Rejected(f"{what} has rows of {f.dims[0]} values, not a whole number of "
+                        f"{ggml_type.name} blocks ({block_elems} values each)")
+    n_bytes = math.prod(f.dims) // block_elems * block_bytes
     plain = _PLAIN_DTYPES.get(ggml_type)
     if plain is not None:
         dtype, storage_shape = np.dtype(plain).newbyteorder(endian), shape
     else:
-        dtype, storage_shape = np.dtype(np.uint8), _block_storage_shape(f.name, shape, ggml_type)
-    return _TensorInfo(f.name, ggml_type, shape, data_offset, n_bytes, dtype, storage_shape)
+        dtype, storage_shape = np.dtype(np.uint8), quant_shape_to_byte_shape(shape, ggml_type)
+    return _TensorInfo(f.name, ggml_type, shape, data_start + f.offset, n_bytes, dtype, storage_shape)
 
 
-def _block_storage_shape(name: str, shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> tuple[int, ...]:
-    if not shape:
-        raise _Unreadable(f"tensor {name!r}: a {ggml_type.name} tensor needs at least one dim")
-    try:
-        return quant_shape_to_byte_shape(shape, ggml_type)
-    except ValueError as e:
-        raise _Unreadable(f"tensor {name!r}: {e}") from None
+def _check_data_layout(tensors: list[_TensorInfo], data_start: int, file_bytes: int, alignment: int) -> None:
+    """Every tensor aligned and inside the file; together, the whole data section and no more."""
+    for t in tensors:
+        offset = t.data_offset - data_start
+        if offset % alignment:
+            raise _Rejected(f"tensor {t.name!r} at data offset {offset} is not aligned to {alignment} bytes")
+        # A truncated file must fail at open, not when a page fault hits a missing tensor.
+        if t.data_offset + t.n_bytes > file_bytes:
+            raise _Rejected(f"tensor {t.name!r} runs past the end of the file "
+                            f"(needs {t.data_offset + t.n_bytes} bytes, file has {file_bytes}): truncated?")
+    end, previous = data_start, None
+    for t in sorted(tensors, key=lambda t: t.data_offset):
+        if previous is not None and t.data_offset < previous.data_offset + previous.n_bytes:
+            raise _Rejected(f"tensor {t.name!r} overlaps tensor {previous.name!r}")
+        if t.data_offset > end:
+            after = f"after tensor {previous.name!r}" if previous else "at the start of the data section"
+            raise _Rejected(f"{t.data_offset - end} bytes {after} belong to no tensor "
+                            f"(before tensor {t.name!r}): a tensor missing, or its offset wrong?")
+        end, previous = _align(t.data_offset + t.n_bytes, alignment), t
+    if file_bytes > end:
+        after = f"after the last tensor, {previous.name!r}," if previous else "after the header"
+        raise _Rejected(f"{file_bytes - end} bytes {after} belong to no tensor: tensor_count wrong?")
 
 
 def _one_line(e: Exception) -> str:

@@ -1,6 +1,13 @@
-"""Hyper-parameters of a GGUF model, read once from its `<arch>.*` metadata keys."""
+"""Hyper-parameters of a GGUF model, read once from its `<arch>.*` metadata keys, and checked.
+
+Every value must have its GGUF type and lie in bounds, and related values must agree, before any
+of them sizes an allocation: a corrupt or hostile `head_count_kv = 2^31-1` is a one-line error
+naming the key, not a KV cache of terabytes. The bounds are far beyond any released model; the
+tensors' shapes are then checked against these values where each tensor is loaded.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -9,6 +16,16 @@ from modelfile.gguf_file import GGUFError, GGUFFile
 GATING_SOFTMAX, GATING_SIGMOID = "softmax", "sigmoid"
 GATING_SOFTMAX_WEIGHT = "softmax_weight"  # softmax over the chosen top-k logits only (gpt-oss)
 _GATING_BY_CODE = {1: GATING_SOFTMAX, 2: GATING_SIGMOID}
+
+# The largest released models have ~128 layers, 16k-wide embeddings, 128 heads, 512 experts,
+# 262k-token vocabularies and 10M-token contexts.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 17  # embedding, FFN and LoRA widths
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1 << 13
+MAX_EXPERTS = 4096
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 26
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,84 +80,136 @@ class ModelConfig:
         unknown = set(defaults) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown ModelConfig defaults: {sorted(unknown)}")
-
-        def opt(key: str, field: str, fallback: Any) -> Any:
-            return g.arch_get(key, defaults.get(field, fallback))
-
-        hidden = int(g.arch_require("embedding_length"))
-        heads = int(g.arch_require("attention.head_count"))
-        head_dim = int(g.arch_get("attention.key_length", hidden // heads))
-        dense_ffn = int(g.arch_get("feed_forward_length", 0))
-        num_experts = int(g.arch_get("expert_count", 0))
+        r = _Reader(g)
+        hidden = r.integer("embedding_length", lo=1, hi=MAX_WIDTH)
+        heads = r.integer("attention.head_count", lo=1, hi=MAX_HEADS)
+        head_dim = r.integer("attention.key_length", hidden // heads, lo=1, hi=MAX_HEAD_DIM)
+        num_kv_heads = r.integer("attention.head_count_kv", heads, lo=1, hi=heads)
+        if heads % num_kv_heads:
+            r.fail("attention.head_count_kv", num_kv_heads, f"does not divide attention.head_count = {heads}")
+        num_layers = r.integer("block_count", lo=1, hi=MAX_LAYERS)
+        dense_ffn = r.integer("feed_forward_length", 0, hi=MAX_WIDTH)
+        num_experts = r.integer("expert_count", 0, hi=MAX_EXPERTS)
+        num_groups = r.integer("expert_group_count", 0, hi=num_experts)
+        if num_groups and num_experts % num_groups:
+            r.fail("expert_group_count", num_groups, f"does not divide expert_count = {num_experts}")
         return cls(
             arch=g.arch,
-            num_layers=int(g.arch_require("block_count")),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=int(g.arch_get("attention.head_count_kv", heads)),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            value_head_dim=int(g.arch_get("attention.value_length", head_dim)),
-            vocab_size=_vocab_size(g),
-            context_tokens=int(g.arch_get("context_length", 4096)),
-            norm_eps=float(g.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(opt("rope.freq_base", "rope_theta", 10000.0)),
-            rope_dims=int(g.arch_get("rope.dimension_count", head_dim)),
-            rope_scaling=_rope_scaling(g),
+            value_head_dim=r.integer("attention.value_length", head_dim, lo=1, hi=MAX_HEAD_DIM),
+            vocab_size=_vocab_size(g, r),
+            context_tokens=r.integer("context_length", 4096, lo=1, hi=MAX_CONTEXT),
+            norm_eps=r.positive("attention.layer_norm_rms_epsilon", 1e-6, below=1.0),
+            rope_theta=r.positive("rope.freq_base", defaults.get("rope_theta", 10000.0)),
+            rope_dims=r.integer("rope.dimension_count", head_dim, lo=2, hi=head_dim, multiple_of=2),
+            rope_scaling=_rope_scaling(r),
             dense_ffn=dense_ffn,
             num_experts=num_experts,
-            num_experts_used=int(g.arch_require("expert_used_count")) if num_experts else 0,
-            expert_ffn=int(g.arch_get("expert_feed_forward_length", dense_ffn)),
-            shared_expert_ffn=_shared_expert_ffn(g, defaults),
-            num_leading_dense_layers=int(g.arch_get("leading_dense_block_count", 0)),
-            expert_gating=_gating(g, defaults),
-            expert_weights_norm=bool(opt("expert_weights_norm", "expert_weights_norm", False)),
-            expert_weights_scale=float(opt("expert_weights_scale", "expert_weights_scale", 1.0)),
-            sliding_window_tokens=int(g.arch_get("attention.sliding_window", 0)),
-            q_lora_rank=int(g.arch_get("attention.q_lora_rank", 0)),
-            kv_lora_rank=int(g.arch_get("attention.kv_lora_rank", 0)),
-            mla_key_head_dim=int(g.arch_get("attention.key_length_mla", 0)),
-            mla_value_head_dim=int(g.arch_get("attention.value_length_mla", 0)),
-            num_expert_groups=int(g.arch_get("expert_group_count", 0)),
-            num_expert_groups_used=int(g.arch_get("expert_group_used_count", 0)),
+            num_experts_used=r.integer("expert_used_count", lo=1, hi=num_experts) if num_experts else 0,
+            expert_ffn=r.integer("expert_feed_forward_length", dense_ffn, hi=MAX_WIDTH),
+            shared_expert_ffn=_shared_expert_ffn(r, defaults),
+            num_leading_dense_layers=r.integer("leading_dense_block_count", 0, hi=num_layers),
+            expert_gating=_gating(r, defaults),
+            expert_weights_norm=r.flag("expert_weights_norm", defaults.get("expert_weights_norm", False)),
+            expert_weights_scale=r.positive("expert_weights_scale", defaults.get("expert_weights_scale", 1.0)),
+            sliding_window_tokens=r.integer("attention.sliding_window", 0, hi=MAX_CONTEXT),
+            q_lora_rank=r.integer("attention.q_lora_rank", 0, hi=MAX_WIDTH),
+            kv_lora_rank=r.integer("attention.kv_lora_rank", 0, hi=MAX_WIDTH),
+            mla_key_head_dim=r.integer("attention.key_length_mla", 0, hi=MAX_HEAD_DIM),
+            mla_value_head_dim=r.integer("attention.value_length_mla", 0, hi=MAX_HEAD_DIM),
+            num_expert_groups=num_groups,
+            num_expert_groups_used=r.integer("expert_group_used_count", 0, hi=num_groups),
         )
 
 
-def _vocab_size(g: GGUFFile) -> int:
-    size = g.arch_get("vocab_size")
-    if size is None:
-        size = len(g.require("tokenizer.ggml.tokens"))
-    return int(size)
+class _Reader:
+    """`<arch>.<key>` values of their GGUF type and within bounds; anything else fails naming the key.
+
+    A default stands for an absent key and is held to the same bounds: one derived from other
+    keys (key_length from embedding_length / head_count) can be out of them too.
+    """
+
+    def __init__(self, g: GGUFFile):
+        self.g = g
+
+    def integer(self, key: str, default: int | None = None, *, lo: int = 0, hi: int, multiple_of: int = 1) -> int:
+        value = self.g.arch_value(key, int) if default is None else self.g.arch_value(key, int, default)
+        if not lo <= value <= hi:
+            self.fail(key, value, f"is out of range: must lie in [{lo}, {hi}]")
+        if value % multiple_of:
+            self.fail(key, value, f"is not a multiple of {multiple_of}")
+        return value
+
+    def positive(self, key: str, default: float | None = None, *, below: float = math.inf) -> float:
+        value = self.g.arch_value(key, float) if default is None else self.g.arch_value(key, float, default)
+        if not 0 < value < below:  # NaN fails this too
+            self.fail(key, value, "must be positive" + (f" and below {below:g}" if below < math.inf else "")
+                      + " and finite")
+        return value
+
+    def finite(self, key: str, default: float) -> float:
+        value = self.g.arch_value(key, float, default)
+        if not math.isfinite(value):
+            self.fail(key, value, "must be finite")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        return self.g.arch_value(key, bool, default)
+
+    def text(self, key: str) -> str | None:
+        return self.g.arch_value(key, str, None)
+
+    def fail(self, key: str, value: Any, why: str) -> None:
+        absent = "" if self.g.get(f"{self.g.arch}.{key}") is not None else " (absent from the file: its default)"
+        raise GGUFError(f"{self.g.path.name}: metadata key '{self.g.arch}.{key}' = {value}{absent} {why}")
 
 
-def _shared_expert_ffn(g: GGUFFile, defaults: Mapping[str, Any]) -> int:
-    explicit = g.arch_get("expert_shared_feed_forward_length")
-    if explicit is not None:
-        return int(explicit)
+def _vocab_size(g: GGUFFile, r: _Reader) -> int:
+    if g.arch_get("vocab_size") is not None:
+        return r.integer("vocab_size", lo=1, hi=MAX_VOCAB)
+    size = len(g.value("tokenizer.ggml.tokens", list))
+    if not 1 <= size <= MAX_VOCAB:
+        raise GGUFError(f"{g.path.name}: metadata key 'tokenizer.ggml.tokens' holds {size} tokens, "
+                        f"must be 1 to {MAX_VOCAB}")
+    return size
+
+
+def _shared_expert_ffn(r: _Reader, defaults: Mapping[str, Any]) -> int:
+    explicit = r.integer("expert_shared_feed_forward_length", 0, hi=MAX_WIDTH)
+    if explicit:
+        return explicit
     # DeepSeek states a count of shared experts, each as wide as a routed one.
-    count = int(g.arch_get("expert_shared_count", 0))
-    return count * int(g.arch_get("expert_feed_forward_length", 0)) or int(defaults.get("shared_expert_ffn", 0))
+    count = r.integer("expert_shared_count", 0, hi=MAX_EXPERTS)
+    width = r.integer("expert_feed_forward_length", 0, hi=MAX_WIDTH)
+    return count * width or int(defaults.get("shared_expert_ffn", 0))
 
 
-def _gating(g: GGUFFile, defaults: Mapping[str, Any]) -> str:
-    code = g.arch_get("expert_gating_func")
-    if code is None:
+def _gating(r: _Reader, defaults: Mapping[str, Any]) -> str:
+    code = r.integer("expert_gating_func", 0, hi=2**64 - 1)
+    if code == 0:  # absent, or llama.cpp's "none": the architecture's own
         return defaults.get("expert_gating", GATING_SOFTMAX)
-    if int(code) not in _GATING_BY_CODE:
-        raise GGUFError(f"{g.path.name}: {g.arch}.expert_gating_func = {code} is not supported")
-    return _GATING_BY_CODE[int(code)]
+    if code not in _GATING_BY_CODE:
+        r.fail("expert_gating_func", code, "is not supported (1: softmax, 2: sigmoid)")
+    return _GATING_BY_CODE[code]
 
 
-def _rope_scaling(g: GGUFFile) -> RopeScaling | None:
-    kind = g.arch_get("rope.scaling.type")
+def _rope_scaling(r: _Reader) -> RopeScaling | None:
+    kind = r.text("rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind not in ("linear", "yarn"):
-        raise GGUFError(f"{g.path.name}: {g.arch}.rope.scaling.type = {kind!r} is not supported")
+        r.fail("rope.scaling.type", repr(kind), "is not supported (none, linear and yarn are)")
+    # YaRN's correction range takes logs of the original context over each beta.
+    original = r.integer("rope.scaling.original_context_length", 0, lo=int(kind == "yarn"), hi=MAX_CONTEXT)
     return RopeScaling(
         kind=kind,
-        factor=float(g.arch_require("rope.scaling.factor")),
-        original_context_tokens=int(g.arch_get("rope.scaling.original_context_length", 0)),
-        yarn_beta_fast=float(g.arch_get("rope.scaling.yarn_beta_fast", 32.0)),
-        yarn_beta_slow=float(g.arch_get("rope.scaling.yarn_beta_slow", 1.0)),
-        yarn_log_multiplier=float(g.arch_get("rope.scaling.yarn_log_multiplier", 0.0)),
+        factor=r.positive("rope.scaling.factor"),
+        original_context_tokens=original,
+        yarn_beta_fast=r.positive("rope.scaling.yarn_beta_fast", 32.0),
+        yarn_beta_slow=r.positive("rope.scaling.yarn_beta_slow", 1.0),
+        yarn_log_multiplier=r.finite("rope.scaling.yarn_log_multiplier", 0.0),
     )

@@ -1,19 +1,17 @@
-"""torch tensors <-> `splitmoe.v1.Tensor` messages: dtype and shape as fields, bytes or shm.
+"""torch tensors <-> `splitmoe.v1.Tensor` messages: dtype and shape as fields, then the bytes.
 
 Bytes are row-major little-endian. Encoding makes the one copy protobuf needs (tensor -> bytes);
 decoding wraps the message's bytes without copying, so the tensor is read-only by contract.
-A shared-memory tensor is a view of the mapped region: no copy either way.
 """
 from __future__ import annotations
 
 import sys
 import warnings
-from typing import Callable
 
 import torch
 
 from proto import tensor_pb2
-from proto.shm import ShmRegion, tensor_nbytes
+from proto.shm import tensor_nbytes
 
 if sys.byteorder != "little":
     raise ImportError("proto.codec: the wire format is little-endian; big-endian hosts are not supported")
@@ -29,8 +27,6 @@ _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 # Decoded tensors alias the immutable message bytes and are never written; torch warns about
 # that once per process, which says nothing to an operator.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-RegionLookup = Callable[[str], ShmRegion]
 
 
 def proto_dtype(dtype: torch.dtype) -> int:
@@ -57,39 +53,15 @@ def encode(t: torch.Tensor, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.
     return msg
 
 
-def encode_shm(shape: tuple[int, ...], dtype: torch.dtype, region_name: str, offset_bytes: int,
-               out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
-    """A reference to a tensor already laid out in shared memory."""
-    msg = tensor_pb2.Tensor() if out is None else out
-    msg.dtype = proto_dtype(dtype)
-    msg.shape[:] = shape
-    msg.shm.region = region_name
-    msg.shm.offset_bytes = offset_bytes
-    msg.shm.num_bytes = tensor_nbytes(tuple(shape), dtype)
-    return msg
-
-
-def decode(msg: tensor_pb2.Tensor, regions: RegionLookup | None = None) -> torch.Tensor:
-    """The message's tensor; a shared-memory one needs `regions` to map the region by name."""
+def decode(msg: tensor_pb2.Tensor) -> torch.Tensor:
     dtype = torch_dtype(msg.dtype)
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise ValueError(f"tensor message has a negative dimension in shape {list(shape)}")
     num_bytes = tensor_nbytes(shape, dtype)
-    if msg.WhichOneof("storage") == "shm":
-        return _decode_shm(msg.shm, shape, dtype, num_bytes, regions)
     data = msg.data
     if len(data) != num_bytes:
         raise ValueError(f"tensor message: {len(data)} bytes for shape {list(shape)} {dtype} ({num_bytes} expected)")
     if num_bytes == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype).view(shape)
-
-
-def _decode_shm(ref: tensor_pb2.ShmRef, shape: tuple[int, ...], dtype: torch.dtype, num_bytes: int,
-                regions: RegionLookup | None) -> torch.Tensor:
-    if regions is None:
-        raise ValueError("tensor message refers to shared memory, but this side has none mapped")
-    if ref.num_bytes != num_bytes:
-        raise ValueError(f"shared-memory tensor: {ref.num_bytes} bytes for shape {list(shape)} {dtype}")
-    return regions(ref.region).view(ref.offset_bytes, shape, dtype)

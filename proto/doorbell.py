@@ -5,11 +5,16 @@ queues, HTTP/2 framing); a Unix SOCK_SEQPACKET round trip costs one send and one
 side. So when the attention and expert services share a host, the expert service listens on a
 Unix socket (advertised as `ShardInfo.doorbell`) and each attention connection:
 
+- first proves it holds the cluster secret: `HELLO` -> the service's challenge (a random nonce)
+  -> `PROOF` (HMAC-SHA256 of the nonce under the secret) -> `REPLY`; the service maps nothing
+  for a connection that has not, and only regions its peer created (proto/shm.py: the peer's
+  pid in the name, owned by the peer's uid as SO_PEERCRED reports it, no symlink);
 - owns `NUM_SLOTS` shared-memory regions ("slots", one per hop in flight), created and unlinked
   by the attention side and mapped by the expert side on first use;
 - writes a hop's hidden states, expert ids and weights straight into a slot, at offsets both
   sides compute from the header (`slot_layout`), and sends a `REQUEST` header (32 bytes, plus
-  the slot's region name when the slot is new or has grown, plus an optional W3C traceparent);
+  the slot's region size and name when the slot is new or has grown, plus an optional W3C
+  traceparent);
 - gets back a `REPLY` header (40 bytes, plus an error message when status is not OK) once the
   service wrote its output into the slot's output area.
 
@@ -20,29 +25,40 @@ GetStats, health) and the cross-host path.
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import socket
 import struct
 from dataclasses import dataclass
 
 import torch
 
-from proto.shm import align_up, tensor_nbytes
+from proto.shm import Peer, align_up, tensor_nbytes
 
-VERSION = 1
+VERSION = 2
 MAGIC = b"SMDB"
 NUM_SLOTS = 2              # hops in flight per connection: two micro-batches
-MAX_MESSAGE_BYTES = 4096   # a header plus a region name and a traceparent, or an error message
+MAX_MESSAGE_BYTES = 4096   # a header plus a region announcement and a traceparent, or an error message
+NONCE_BYTES = 32
 
 KIND_HELLO = 1
 KIND_FORWARD = 2
+KIND_PROOF = 3
 STATUS_OK = 0
 STATUS_ERROR = 1
 
 # kind, 0, version, magic (client -> service, first message); answered with a REPLY (seq = version)
+# followed by the challenge: NONCE_BYTES random bytes
 HELLO = struct.Struct("<BxH4s")
+# kind, 0, 0, 0, HMAC-SHA256(cluster secret, PROOF_LABEL + challenge) (client -> service, second
+# message); answered with a REPLY (kind PROOF), or an error REPLY and a hang-up
+PROOF = struct.Struct("<B3x32s")
+PROOF_LABEL = b"splitmoe-doorbell-v2:"
 # kind, hidden dtype (splitmoe.v1.DType), slot, layer, tokens, top_k, hidden size, seq,
-# region name length, traceparent length; the name and the traceparent follow, in that order
+# region announcement length, traceparent length; the announcement (`REGION_SIZE`, then the
+# region's name) and the traceparent follow, in that order
 REQUEST = struct.Struct("<BBHiIIIQHH")
+REGION_SIZE = struct.Struct("<Q")
 # kind, status, seq, service clock (CLOCK_MONOTONIC ns) when it picked the request up and when it
 # answered, expert compute ns; an error message (utf-8) follows when status is STATUS_ERROR
 REPLY = struct.Struct("<BBxxxxxxQQQQ")
@@ -68,6 +84,29 @@ def slot_layout(num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtyp
     weights = ids + routing_bytes
     output = weights + routing_bytes
     return SlotLayout(0, ids, weights, output, output + hidden_bytes)
+
+
+def proof(token: str, challenge: bytes) -> bytes:
+    """What a client sends to show it holds the cluster secret, without sending the secret."""
+    return hmac.new(token.encode(), PROOF_LABEL + challenge, hashlib.sha256).digest()
+
+
+def announcement(region_name: str, num_bytes: int) -> bytes:
+    """A slot's new region, as a REQUEST carries it: its size, then its name."""
+    return REGION_SIZE.pack(num_bytes) + region_name.encode()
+
+
+def parse_announcement(data: bytes) -> tuple[str, int]:
+    """(region name, size in bytes) of an announcement."""
+    if len(data) <= REGION_SIZE.size:
+        raise ValueError("a region announcement without a name")
+    return bytes(data[REGION_SIZE.size:]).decode(errors="replace"), REGION_SIZE.unpack_from(data)[0]
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """Who is at the other end of a Unix socket, as the kernel saw it connect (SO_PEERCRED)."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return Peer(pid, uid)
 
 
 def socket_address(doorbell: str) -> str:

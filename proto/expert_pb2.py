@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import tensor_pb2 as proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/expert.proto\x12\x0bsplitmoe.v1\x1a\x12proto/tensor.proto\"\x16\n\x14\x44\x65scribeShardRequest\"3\n\x10LoadShardRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\"\xc0\x01\n\tShardInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0f\n\x07\x66ile_id\x18\x03 \x01(\t\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x05 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x13\n\x0bnum_threads\x18\t \x01(\x05\x12\x10\n\x08\x64oorbell\x18\n \x01(\t\"\xcd\x02\n\rExpertRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\'\n\nexpert_ids\x18\x04 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12+\n\x0e\x65xpert_weights\x18\x05 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\'\n\noutput_shm\x18\x06 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.splitmoe.v1.ExpertRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"w\n\x0e\x45xpertResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06output\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"m\n\x0b\x45xpertStats\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_s_total\x18\x05 \x01(\x01\x32\xa8\x02\n\rExpertService\x12J\n\rDescribeShard\x12!.splitmoe.v1.DescribeShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x42\n\tLoadShard\x12\x1d.splitmoe.v1.LoadShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x46\n\x07\x46orward\x12\x1a.splitmoe.v1.ExpertRequest\x1a\x1b.splitmoe.v1.ExpertResponse(\x01\x30\x01\x12?\n\x08GetStats\x12\x19.splitmoe.v1.StatsRequest\x1a\x18.splitmoe.v1.ExpertStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/expert.proto\x12\x0bsplitmoe.v1\x1a\x12proto/tensor.proto\"\x16\n\x14\x44\x65scribeShardRequest\"3\n\x10LoadShardRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\"\xc0\x01\n\tShardInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0f\n\x07\x66ile_id\x18\x03 \x01(\t\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x05 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x13\n\x0bnum_threads\x18\t \x01(\x05\x12\x10\n\x08\x64oorbell\x18\n \x01(\t\"\xb6\x02\n\rExpertRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\'\n\nexpert_ids\x18\x04 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12+\n\x0e\x65xpert_weights\x18\x05 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.splitmoe.v1.ExpertRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x06\x10\x07R\noutput_shm\"w\n\x0e\x45xpertResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06output\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"m\n\x0b\x45xpertStats\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_s_total\x18\x05 \x01(\x01\x32\xa8\x02\n\rExpertService\x12J\n\rDescribeShard\x12!.splitmoe.v1.DescribeShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x42\n\tLoadShard\x12\x1d.splitmoe.v1.LoadShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x46\n\x07\x46orward\x12\x1a.splitmoe.v1.ExpertRequest\x1a\x1b.splitmoe.v1.ExpertResponse(\x01\x30\x01\x12?\n\x08GetStats\x12\x19.splitmoe.v1.StatsRequest\x1a\x18.splitmoe.v1.ExpertStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,15 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDINFO']._serialized_start=133
   _globals['_SHARDINFO']._serialized_end=325
   _globals['_EXPERTREQUEST']._serialized_start=328
-  _globals['_EXPERTREQUEST']._serialized_end=661
-  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_start=610
-  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_end=661
-  _globals['_EXPERTRESPONSE']._serialized_start=663
-  _globals['_EXPERTRESPONSE']._serialized_end=782
-  _globals['_STATSREQUEST']._serialized_start=784
-  _globals['_STATSREQUEST']._serialized_end=798
-  _globals['_EXPERTSTATS']._serialized_start=800
-  _globals['_EXPERTSTATS']._serialized_end=909
-  _globals['_EXPERTSERVICE']._serialized_start=912
-  _globals['_EXPERTSERVICE']._serialized_end=1208
+  _globals['_EXPERTREQUEST']._serialized_end=638
+  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_start=569
+  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_end=620
+  _globals['_EXPERTRESPONSE']._serialized_start=640
+  _globals['_EXPERTRESPONSE']._serialized_end=759
+  _globals['_STATSREQUEST']._serialized_start=761
+  _globals['_STATSREQUEST']._serialized_end=775
+  _globals['_EXPERTSTATS']._serialized_start=777
+  _globals['_EXPERTSTATS']._serialized_end=886
+  _globals['_EXPERTSERVICE']._serialized_start=889
+  _globals['_EXPERTSERVICE']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)

@@ -44,7 +44,7 @@ class ShardInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "output_shm", "trace_context")
+    __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,16 +57,14 @@ class ExpertRequest(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_SHM_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     layer: int
     hidden: _tensor_pb2.Tensor
     expert_ids: _tensor_pb2.Tensor
     expert_weights: _tensor_pb2.Tensor
-    output_shm: _tensor_pb2.Tensor
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., output_shm: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExpertResponse(_message.Message):
     __slots__ = ("step_id", "layer", "output", "compute_s", "error")

@@ -2,19 +2,23 @@
 
 `ShmRegion` is one mapped file in /dev/shm, viewed as tensors at byte offsets without copying.
 The attention service's fast path (proto/doorbell.py) keeps one region per hop slot and rings
-over a Unix socket. A gRPC `Tensor` may refer to shared memory too (`Tensor.shm`): a client lays
-a request out with `ShmArena` and the expert service maps the regions by name (`ShmMappings`).
-The creator unlinks its file on close (or at interpreter exit), so nothing is left behind even
-if the peer never unmaps.
+over a Unix socket. The creator unlinks its file on close (or at interpreter exit), so nothing is
+left behind even if the peer never unmaps.
+
+The expert service maps a region only for the peer that created it (`ShmRegion.attach`): /dev/shm
+is writable by every local user, and the service writes its output into the region it maps, so
+a name alone must never make it write where the peer itself could not.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import secrets
+import stat
 import weakref
-from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +26,8 @@ import torch
 SHM_DIR = Path("/dev/shm")
 ALIGN_BYTES = 64  # cache-line aligned slots: every dtype's view is aligned too
 _NAME_PREFIX = "splitmoe-"
-# Names arrive from the network: only our own pattern, never a path.
-_NAME_PATTERN = re.compile(r"^splitmoe-[0-9]+-[0-9a-f]+$")
+# Names arrive from another process: only our own pattern (the creator's pid first), never a path.
+_NAME_PATTERN = re.compile(r"^splitmoe-([0-9]+)-[0-9a-f]+$")
 
 
 def align_up(num_bytes: int) -> int:
@@ -35,6 +39,14 @@ def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for dim in shape:
         num_elements *= dim
     return num_elements * dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """The process at the other end of a Unix socket, as the kernel reports it (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
 
 
 class ShmRegion:
@@ -51,7 +63,7 @@ class ShmRegion:
     @classmethod
     def create(cls, num_bytes: int) -> "ShmRegion":
         name = f"{_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, num_bytes)
             mm = mmap.mmap(fd, num_bytes)
@@ -63,15 +75,25 @@ class ShmRegion:
         return cls(name, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "ShmRegion":
-        if not _NAME_PATTERN.match(name):
+    def attach(cls, name: str, num_bytes: int, creator: Peer) -> "ShmRegion":
+        """Map a region `creator` made: its pid in the name, a regular file (no symlink) owned by
+        its uid, writable by no one else, of exactly `num_bytes`. Anything else is refused."""
+        match = _NAME_PATTERN.match(name)
+        if not match:
             raise ValueError(f"shared memory: {name!r} is not a SplitMoE region name")
-        fd = os.open(SHM_DIR / name, os.O_RDWR)
+        if int(match.group(1)) != creator.pid:
+            raise ValueError(f"shared memory {name}: not created by the peer (pid {creator.pid})")
+        if num_bytes <= 0:
+            raise ValueError(f"shared memory {name}: the region is empty")
+        try:  # O_NONBLOCK: a FIFO planted under the name must not hang the open
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"shared memory {name}: a symbolic link, not a region") from None
+            raise
         try:
-            size_bytes = os.fstat(fd).st_size
-            if not size_bytes:
-                raise ValueError(f"shared memory {name}: the region is empty")
-            mm = mmap.mmap(fd, size_bytes)
+            _check_created_by(name, os.fstat(fd), num_bytes, creator)
+            mm = mmap.mmap(fd, num_bytes)
         finally:
             os.close(fd)
         return cls(name, mm, owner=False)
@@ -103,61 +125,12 @@ def _unlink(path: Path) -> None:
         pass
 
 
-class ShmArena:
-    """A region for requests sent one at a time: a bump allocator reset per request.
-
-    Every request reuses the region from offset 0.
-    A request that does not fit gets a larger region (the old one is unlinked; the peer maps the
-    new name on its next request).
-    """
-
-    def __init__(self, initial_bytes: int = 1 << 20):
-        self._region = ShmRegion.create(align_up(max(initial_bytes, ALIGN_BYTES)))
-        self._used_bytes = 0
-
-    @property
-    def name(self) -> str:
-        return self._region.name
-
-    def reset(self, needed_bytes: int) -> None:
-        """Start a request that will allocate at most `needed_bytes` (aligned slots included)."""
-        if needed_bytes > self._region.num_bytes:
-            grown = ShmRegion.create(max(needed_bytes, 2 * self._region.num_bytes))
-            self._region.close()
-            self._region = grown
-        self._used_bytes = 0
-
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        """(a writable view, its byte offset) for the next slot of this request."""
-        offset_bytes = self._used_bytes
-        view = self._region.view(offset_bytes, shape, dtype)
-        self._used_bytes = offset_bytes + align_up(tensor_nbytes(shape, dtype))
-        return view, offset_bytes
-
-    def close(self) -> None:
-        self._region.close()
-
-
-class ShmMappings:
-    """The expert side's view of one stream's regions, mapped by name on first use.
-
-    A client that grows its arena sends a new name; the oldest mappings are dropped beyond
-    `max_regions`, so a long-lived stream holds a bounded amount of address space.
-    """
-
-    def __init__(self, max_regions: int = 2):
-        self._regions: OrderedDict[str, ShmRegion] = OrderedDict()
-        self._max_regions = max_regions
-
-    def get(self, name: str) -> ShmRegion:
-        region = self._regions.get(name)
-        if region is None:
-            region = self._regions[name] = ShmRegion.attach(name)
-            while len(self._regions) > self._max_regions:
-                self._regions.popitem(last=False)[1].close()
-        return region
-
-    def close(self) -> None:
-        for region in self._regions.values():
-            region.close()
-        self._regions.clear()
+def _check_created_by(name: str, st: os.stat_result, num_bytes: int, creator: Peer) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"shared memory {name}: not a regular file")
+    if st.st_uid != creator.uid:
+        raise ValueError(f"shared memory {name}: owned by uid {st.st_uid}, not by the peer (uid {creator.uid})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"shared memory {name}: writable by group or others (mode {st.st_mode & 0o777:o})")
+    if st.st_size != num_bytes:
+        raise ValueError(f"shared memory {name}: {st.st_size} bytes, the peer announced {num_bytes}")

@@ -24,17 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/tensor.proto\x12\x0bsplitmoe.v1\"A\n\x06ShmRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\"y\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.splitmoe.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\"\n\x03shm\x18\x04 \x01(\x0b\x32\x13.splitmoe.v1.ShmRefH\x00\x42\t\n\x07storage*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/tensor.proto\x12\x0bsplitmoe.v1\"S\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.splitmoe.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0cJ\x04\x08\x04\x10\x05R\x03shm*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=225
-  _globals['_DTYPE']._serialized_end=347
-  _globals['_SHMREF']._serialized_start=35
-  _globals['_SHMREF']._serialized_end=100
-  _globals['_TENSOR']._serialized_start=102
-  _globals['_TENSOR']._serialized_end=223
+  _globals['_DTYPE']._serialized_start=120
+  _globals['_DTYPE']._serialized_end=242
+  _globals['_TENSOR']._serialized_start=35
+  _globals['_TENSOR']._serialized_end=118
 # @@protoc_insertion_point(module_scope)

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -22,24 +22,12 @@ DTYPE_FLOAT16: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
 
-class ShmRef(_message.Message):
-    __slots__ = ("region", "offset_bytes", "num_bytes")
-    REGION_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    region: str
-    offset_bytes: int
-    num_bytes: int
-    def __init__(self, region: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
-
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "shm")
+    __slots__ = ("dtype", "shape", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    SHM_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    shm: ShmRef
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -3,12 +3,27 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 
 def otlp_endpoint() -> str:
     """The OTLP collector to send traces to; empty means tracing exports nothing."""
     return os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
+CLUSTER_TOKEN_ENV = "SPLITMOE_CLUSTER_TOKEN"
+
+
+def cluster_token() -> str:
+    """The cluster secret every RPC between the services carries; empty when none is set."""
+    return os.environ.get(CLUSTER_TOKEN_ENV, "")
+
+
+def new_cluster_token() -> str:
+    """A fresh random cluster secret (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
 
 
 def cache_dir() -> Path:
@@ -28,9 +43,10 @@ def setup_logging() -> None:
 _PARENT_PID = "SPLITMOE_DIE_WITH_PARENT_PID"
 
 
-def child_env(die_with_parent_pid: int) -> dict[str, str]:
-    """The environment for a supervised child: ours, plus who it must not outlive."""
-    return {**os.environ, _PARENT_PID: str(die_with_parent_pid)}
+def child_env(die_with_parent_pid: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a supervised child: ours, `extra` (its secrets: never on a command
+    line), and who it must not outlive."""
+    return {**os.environ, **(extra or {}), _PARENT_PID: str(die_with_parent_pid)}
 
 
 def die_with_parent_pid() -> int | None:

@@ -25,15 +25,17 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from splitmoe import settings
+
+if TYPE_CHECKING:
+    from splitmoe.cluster_auth import ClusterSecurity
 
 POLL_S = 0.2
 PROBE_TIMEOUT_S = 1.0
 LOG_TAIL_LINES = 25
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-SECRET_FLAGS = ("--api-key",)  # their values never reach the console or services.json
 
 
 class Probe(Protocol):
@@ -45,18 +47,21 @@ class Probe(Protocol):
 
 
 class GrpcHealthProbe:
-    """grpc.health.v1 Check on one address: healthy means SERVING."""
+    """grpc.health.v1 Check on one address: healthy means SERVING. Check is open to callers
+    without the cluster secret (splitmoe.cluster_auth); a TLS service needs `security`'s CA."""
 
-    def __init__(self, address: str, service: str = ""):
+    def __init__(self, address: str, service: str = "", security: ClusterSecurity | None = None):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from splitmoe.cluster_auth import ClusterSecurity
 
         self._grpc, self._pb, self.service = grpc, health_pb2, service
         # Short reconnect backoff: a service that starts listening late is seen within a second,
         # not after gRPC's default backoff has grown to tens of seconds.
         options = [("grpc.enable_http_proxy", 0), ("grpc.initial_reconnect_backoff_ms", 200),
                    ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = (security or ClusterSecurity()).channel(address, options)
         self._stub = health_pb2_grpc.HealthStub(self._channel)
 
     def check(self, timeout_s: float) -> bool:
@@ -95,13 +100,13 @@ class HttpHealthProbe:
         pass
 
 
-def probe_for(target: str, grpc_service: str = "") -> Probe:
+def probe_for(target: str, grpc_service: str = "", security: ClusterSecurity | None = None) -> Probe:
     """An http(s):// URL gets an HTTP probe; HOST:PORT a gRPC health probe."""
     if target.startswith(("http://", "https://")):
         return HttpHealthProbe(target)
     if ":" not in target:
         raise ValueError(f"health target must be HOST:PORT or an http(s):// URL, got {target!r}")
-    return GrpcHealthProbe(target, grpc_service)
+    return GrpcHealthProbe(target, grpc_service, security)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -129,14 +134,9 @@ class ServiceSpec:
     address: str                   # where it listens, as shown to people
     make_probe: Callable[[], Probe] = field(repr=False)
     detail: str = ""               # one line for the console, e.g. which experts it hosts
-
-
-def redact(argv: Sequence[str]) -> list[str]:
-    out = list(argv)
-    for i, arg in enumerate(out[:-1]):
-        if arg in SECRET_FLAGS:
-            out[i + 1] = "***"
-    return out
+    # Added to the child's environment: where its secrets go (argv is visible to every local user
+    # and lands in services.json); never printed.
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 def die_with_supervisor() -> None:
@@ -161,7 +161,7 @@ class Child:
         # No preexec_fn: it makes Python fork() instead of vfork(), and gRPC's at-fork handlers then
         # restart its poller in the child, which dies (SIGABRT) when close_fds closes the poller's
         # fd before exec. The child asks for SIGTERM on our death itself (splitmoe.cli).
-        env = settings.child_env(die_with_parent_pid=os.getpid())
+        env = settings.child_env(os.getpid(), spec.env)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=env)
@@ -324,7 +324,7 @@ class Supervisor:
     def write_manifest(self) -> None:
         """services.json in the run directory: what runs where, for people and scripts."""
         services = [{"name": c.name, "pid": c.pid, "address": c.spec.address, "log": str(c.log_path),
-                     "argv": redact(c.spec.argv)} for c in self.children]
+                     "argv": list(c.spec.argv)} for c in self.children]
         path = self.run_dir / "services.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"supervisor_pid": os.getpid(), "services": services}, indent=2) + "\n")

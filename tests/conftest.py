@@ -7,6 +7,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 sys.path.insert(0, str(REPO))  # `tests.support` importable from any rootdir
 
+import kernels  # noqa: E402,F401 - before any matmul: pins MKL's thread-count-independent mode
+
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:

@@ -27,6 +27,7 @@ from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = ("expert", "attention", "gateway")  # built from our Dockerfile; jaeger is a stock image
+ONE_SHOT = "cluster-secret"                 # ours too: writes the cluster secret, then exits
 # Subcommands written alongside compose.yaml: until one is registered its command is skipped, named.
 PENDING_SUBCOMMANDS = {"serve-experts", "serve-gateway"}
 _VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -100,7 +101,7 @@ def port_of(address: str) -> int:
 def test_compose_file_parses_under_the_strict_compose_spec_parser(compose):
     project = compose_spec.PyCompose.from_json(json.dumps(compose))  # raises ValueError on any violation
     project.validate()  # networks, volumes, configs, secrets referenced are defined
-    assert set(project.service_names()) == {*OURS, "jaeger"}
+    assert set(project.service_names()) == {*OURS, ONE_SHOT, "jaeger"}
 
 
 def test_compose_file_matches_the_official_compose_json_schema(compose):
@@ -120,10 +121,27 @@ def test_depends_on_waits_for_health_along_the_data_path(compose):
     assert services["attention"]["depends_on"]["expert"]["condition"] == "service_healthy"
 
 
-def test_every_service_has_a_healthcheck(compose):
+def test_every_long_running_service_has_a_healthcheck(compose):
     for name, service in compose["services"].items():
+        if name == ONE_SHOT:
+            assert service["restart"] == "no"  # it exits when done; the others wait for that, not health
+            continue
         test = service.get("healthcheck", {}).get("test")
         assert test and test[0] in ("CMD", "CMD-SHELL"), f"{name} has no healthcheck"
+
+
+def test_every_service_reads_the_cluster_secret_the_one_shot_writes_from_a_read_only_volume(compose):
+    services = compose["services"]
+    writer = services[ONE_SHOT]
+    secret_file = parse_cli(writer["command"]).path
+    assert f"cluster-secret:{secret_file.parent}" in writer["volumes"]  # the only writable mount
+    assert "cluster-secret" in compose["volumes"]
+    for name in OURS:
+        service = services[name]
+        assert parse_cli(service["command"]).cluster_token_file == secret_file, name
+        assert f"cluster-secret:{secret_file.parent}:ro" in service["volumes"], name
+        assert service["depends_on"][ONE_SHOT]["condition"] == "service_completed_successfully", name
+        assert "SPLITMOE_CLUSTER_TOKEN" not in service["environment"], name  # the file, not the environment
 
 
 def test_expert_service_scales_and_starts_unassigned(compose):
@@ -257,3 +275,7 @@ def test_healthcheck_over_http_wants_200():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_attention_serves_the_fast_path_by_default(compose):
+    assert parse_cli(compose["services"]["attention"]["command"]).dtype == "bfloat16"

@@ -25,7 +25,7 @@ from gateway.app import build_app
 from gateway.settings import GatewaySettings
 from modelfile.gguf_file import GGUFFile
 from splitmoe.telemetry import setup_tracing
-from tests.support.processes import free_port, wait_grpc_serving
+from tests.support.processes import CLUSTER, free_port, wait_grpc_serving
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +39,17 @@ def spans():
 def stack(spans, demo_gguf):
     model = demo_gguf
     expert_port, attention_port, gateway_port = free_port(), free_port(), free_port()
-    experts = ExpertServer(ExpertServiceSettings(model_path=model, port=expert_port), HostedShard(GGUFFile(model)))
+    experts = ExpertServer(ExpertServiceSettings(model_path=model, port=expert_port, security=CLUSTER),
+                           HostedShard(GGUFFile(model)))
     experts.start()
     stop_attention = threading.Event()
     attention = threading.Thread(target=lambda: asyncio.run(serve_attention(
-        AttentionSettings(model_path=str(model), port=attention_port,
-                          expert_services=(f"127.0.0.1:{expert_port}",)), external_stop=stop_attention)))
+        AttentionSettings(model_path=str(model), port=attention_port, expert_services=(f"127.0.0.1:{expert_port}",),
+                          security=CLUSTER), external_stop=stop_attention)))
     attention.start()
     wait_grpc_serving(f"127.0.0.1:{attention_port}", 60)
-    app = build_app(GatewaySettings(attention_address=f"127.0.0.1:{attention_port}", port=gateway_port))
+    app = build_app(GatewaySettings(attention_address=f"127.0.0.1:{attention_port}", port=gateway_port,
+                                    cluster=CLUSTER))
     gateway = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=gateway_port, log_level="warning"))
     gateway_thread = threading.Thread(target=gateway.run)
     gateway_thread.start()

@@ -32,7 +32,7 @@ from splitmoe.commands.up import (
     gateway_spec,
     split_threads,
 )
-from splitmoe.supervisor import GrpcHealthProbe, ServiceFailed, ServiceSpec, Supervisor, redact
+from splitmoe.supervisor import GrpcHealthProbe, ServiceFailed, ServiceSpec, Supervisor
 from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,9 +138,49 @@ def test_plan_wires_experts_into_attention_and_attention_into_the_gateway():
     assert parser.parse_args(attention.argv[4:]).expert_services == ("127.0.0.1:5001", "127.0.0.1:5002")
     gateway = gateway_spec(settings, 8080, attention.address)
     args = parser.parse_args(gateway.argv[4:])
-    assert (args.attention, args.host, args.port, args.api_key) == ("127.0.0.1:5003", "0.0.0.0", 8080, "sekret")
+    assert (args.attention, args.host, args.port) == ("127.0.0.1:5003", "0.0.0.0", 8080)
     assert gateway.address == "http://127.0.0.1:8080"  # what a local client connects to
-    assert "sekret" not in json.dumps(redact(gateway.argv))
+
+
+def test_secrets_reach_the_children_in_their_environment_never_on_a_command_line():
+    settings = UpSettings(model_path="/m/x.gguf", api_key="sekret-api-key")
+    other = UpSettings(model_path="/m/x.gguf")
+    assert len(settings.cluster_token) >= 32 and settings.cluster_token != other.cluster_token  # fresh per run
+    specs = [*expert_specs(settings, 8, [5001, 5002]), attention_spec(settings, 5003, ["127.0.0.1:5001"]),
+             gateway_spec(settings, 8080, "127.0.0.1:5003")]
+    for spec in specs:
+        assert spec.env["SPLITMOE_CLUSTER_TOKEN"] == settings.cluster_token, spec.name
+        assert not {settings.cluster_token, "sekret-api-key"} & set(spec.argv), spec.name
+        assert settings.cluster_token not in repr(spec) + repr(settings)
+    assert [s.env.get("SPLITMOE_API_KEY") for s in specs] == [None, None, None, "sekret-api-key"]
+
+
+@pytest.mark.parametrize("command", ["up", "serve-gateway"])
+def test_the_api_key_comes_from_a_file(tmp_path, command):
+    from splitmoe.commands.cluster_flags import api_key
+
+    (tmp_path / "key").write_text("from-a-file\n")
+    base = ["serve-gateway", "--attention", "h:1"] if command == "serve-gateway" else ["up"]
+    parser = build_parser()
+    assert api_key(parser.parse_args([*base, "--api-key-file", str(tmp_path / "key")])) == "from-a-file"
+    assert api_key(parser.parse_args(base)) is None
+    with pytest.raises(ValueError, match="give one"):
+        api_key(parser.parse_args([*base, "--api-key-file", str(tmp_path / "key"), "--api-key", "k"]))
+
+
+def test_up_hands_the_attention_options_to_the_attention_service():
+    from splitmoe.commands.up import _settings
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "m.gguf", "--dtype", "float32", "--kv-cache-tokens", "999",
+                              "--max-batch-tokens", "128", "--served-model-name", "mine", "--local-experts", "2",
+                              "--reasoning-format", "none", "--experts-per-token", "4"])
+    child = parser.parse_args(attention_spec(_settings(args), 5003, []).argv[4:])
+    assert (child.dtype, child.kv_cache_tokens, child.max_batch_tokens, child.served_model_name) == \
+        ("float32", 999, 128, "mine")
+    assert (child.local_experts, child.reasoning_format, child.experts_per_token) == (2, "none", 4)
+    defaults = parser.parse_args(attention_spec(_settings(parser.parse_args(["up", "m.gguf"])), 5003, []).argv[4:])
+    assert defaults.dtype == "bfloat16" and defaults.kv_cache_tokens == 16384
 
 
 def test_no_expert_services_keeps_the_experts_in_the_attention_process():

@@ -50,11 +50,14 @@ std::once_flag g_init_once;
 void init_tables() {
     g_best = detect_isa();
     init_scalar(g_tables[ISA_SCALAR]);
+    init_attention_scalar(g_tables[ISA_SCALAR]);
 #ifdef SMK_X86
     g_tables[ISA_AVX2] = g_tables[ISA_SCALAR];
     init_avx2(g_tables[ISA_AVX2]);
+    init_attention_avx2(g_tables[ISA_AVX2]);
     g_tables[ISA_AVX512] = g_tables[ISA_AVX2];
     init_avx512(g_tables[ISA_AVX512]);
+    init_attention_avx512(g_tables[ISA_AVX512]);
     g_tables[ISA_VNNI] = g_tables[ISA_AVX512];
     init_avx512vnni(g_tables[ISA_VNNI]);
 #endif
@@ -244,24 +247,37 @@ SMK_API size_t smk_act_bytes(int k) { return act_bytes(k); }
 
 namespace {
 
+// Rows of several weights against the same quantized activations, as one work list: item i covers
+// rows [r0, r1) of weight w, written to out[t * ostride + col[w] + r].
+struct MatmulItem { int w, r0, r1; };
+
 struct MatmulJob {
-    DotRowsFn dot;
-    const uint8_t* w;
-    size_t wstride;
-    int n, k, m;
+    const DotRowsFn* dot;
+    const uint8_t* const* w;
+    const size_t* wstride;
+    const int* col;
+    int k, m;
     const Act* acts;
     float* out;
-    int chunk;
+    size_t ostride;
+    std::vector<MatmulItem> items;
     std::atomic<int> next{0};
 };
+
+void run_items(MatmulJob* j, int i0, int i1) {
+    for (int i = i0; i < i1; ++i) {
+        const MatmulItem& it = j->items[i];
+        j->dot[it.w](j->w[it.w], j->wstride[it.w], it.r0, it.r1, j->k, j->acts, j->m,
+                     j->out + j->col[it.w] + it.r0, j->ostride);
+    }
+}
 
 void matmul_job(void* p, int) {
     auto* j = static_cast<MatmulJob*>(p);
     for (;;) {
-        int r0 = j->next.fetch_add(j->chunk, std::memory_order_relaxed);
-        if (r0 >= j->n) return;
-        int r1 = std::min(j->n, r0 + j->chunk);
-        j->dot(j->w, j->wstride, r0, r1, j->k, j->acts, j->m, j->out + r0, size_t(j->n));
+        const int i = j->next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= int(j->items.size())) return;
+        run_items(j, i, i + 1);
     }
 }
 
@@ -302,15 +318,29 @@ void quantize_rows(const float* x, size_t xstride, int n, int k, uint8_t* rec) {
 }
 }  // namespace smk
 
-// out[m, n] = x[m, k] @ dequantize(w[n, k]).T. Returns 0, or a negative error code (the Python
-// side validated the arguments already; this is the last line of defence).
-SMK_API int smk_matmul(int type, const uint8_t* w, size_t wstride, int n, int k, const float* x,
-                       size_t xstride, int m, float* out) {
+// For each weight i of n_w (GGML type types[i], rows ns[i] of k values at ws[i], row stride
+// wstrides[i] bytes): out[t, col_i + r] = x[t] . dequantize(row r), where col_i is the sum of the
+// earlier weights' rows and a row of `out` is ostride floats. The activations are quantized once
+// for all the weights (a layer's q, k and v; gate and up). Returns 0, or a negative error code
+// (the Python side validated the arguments already; this is the last line of defence).
+SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
+                             const int* ns, int k, const float* x, size_t xstride, int m, float* out, size_t ostride) {
     const Kernels& K = kernels();
-    if (type < 0 || type >= 64 || !K.dot[type]) return -1;
-    TypeInfo ti = type_info(type);
-    if (n < 0 || m < 0 || k <= 0 || k % ti.elems || wstride < size_t(k / ti.elems) * ti.bytes) return -2;
-    if (n == 0 || m == 0) return 0;
+    if (n_w <= 0 || n_w > 16 || k <= 0 || m < 0) return -2;
+    DotRowsFn dot[16];
+    int col[16];
+    int total = 0;
+    for (int i = 0; i < n_w; ++i) {
+        const int type = types[i];
+        if (type < 0 || type >= 64 || !K.dot[type]) return -1;
+        TypeInfo ti = type_info(type);
+        if (ns[i] < 0 || k % ti.elems || wstrides[i] < size_t(k / ti.elems) * ti.bytes) return -2;
+        dot[i] = K.dot[type];
+        col[i] = total;
+        total += ns[i];
+    }
+    if (ostride < size_t(total)) return -2;
+    if (total == 0 || m == 0) return 0;
     const size_t rb = act_bytes(k);
     uint8_t* buf = scratch(0, rb * size_t(m) + sizeof(Act) * size_t(m));
     if (!buf) return -3;
@@ -318,17 +348,25 @@ SMK_API int smk_matmul(int type, const uint8_t* w, size_t wstride, int n, int k,
     Act* acts = reinterpret_cast<Act*>(buf + rb * size_t(m));
     for (int t = 0; t < m; ++t) acts[t] = act_at(buf + rb * size_t(t), k);
     MatmulJob j;
-    j.dot = K.dot[type]; j.w = w; j.wstride = wstride; j.n = n; j.k = k; j.m = m; j.acts = acts;
-    j.out = out;
-    // Chunks of rows small enough to balance (about 8 per thread) and to keep the per-row
-    // writes of neighbouring threads apart.
+    j.dot = dot; j.w = ws; j.wstride = wstrides; j.col = col; j.k = k; j.m = m; j.acts = acts;
+    j.out = out; j.ostride = ostride;
+    // Chunks of rows small enough to balance (about 8 per thread over all the weights) and to keep
+    // the per-row writes of neighbouring threads apart.
     const int nt = num_threads();
-    j.chunk = std::max(16, (n + nt * 8 - 1) / (nt * 8));
-    j.chunk = (j.chunk + 15) / 16 * 16;
-    if (nt == 1 || n <= j.chunk) {
-        j.dot(w, wstride, 0, n, k, acts, m, out, size_t(n));
+    int chunk = std::max(16, (total + nt * 8 - 1) / (nt * 8));
+    chunk = (chunk + 15) / 16 * 16;
+    for (int i = 0; i < n_w; ++i)
+        for (int r0 = 0; r0 < ns[i]; r0 += chunk) j.items.push_back({i, r0, std::min(ns[i], r0 + chunk)});
+    if (nt == 1 || j.items.size() == 1) {
+        run_items(&j, 0, int(j.items.size()));
     } else {
         parallel(matmul_job, &j);
     }
     return 0;
+}
+
+// out[m, n] = x[m, k] @ dequantize(w[n, k]).T: smk_matmul_multi with one weight.
+SMK_API int smk_matmul(int type, const uint8_t* w, size_t wstride, int n, int k, const float* x,
+                       size_t xstride, int m, float* out) {
+    return smk_matmul_multi(1, &type, &w, &wstride, &n, k, x, xstride, m, out, size_t(n));
 }

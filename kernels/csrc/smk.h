@@ -81,16 +81,50 @@ typedef void (*DotRowsFn)(const uint8_t* w, size_t wstride, int r0, int r1, int 
 // Quantize n float rows of k values (row i at x + i * xstride) into records at rec + i * act_bytes(k).
 typedef void (*QuantizeFn)(const float* x, size_t xstride, int n, int k, uint8_t* rec);
 
+// ---- decode attention (attention.cpp) ------------------------------------------------------
+// One call's shapes and KV cache: queries [T, H, Dk] float32, head h = g * R + r for kv head g;
+// key row of context slot s and kv head g at k + (g * k_head_stride + s * k_row_stride) elements
+// (values likewise; MLA passes the key pool again with Dv < Dk: its latent is also its value).
+struct AttnArgs {
+    const float* q;
+    int T, H, G, R, Dk, Dv;
+    const void* k;
+    int64_t k_row_stride, k_head_stride;
+    const void* v;
+    int64_t v_row_stride, v_head_stride;
+    int elem_bytes;        // 4: float32 cache, 2: bfloat16 cache
+    const int64_t* slots;  // every sequence's context slots, concatenated
+    float scale;
+};
+// One work unit: the R heads of kv head g for one query row, over context indices [c0, c1) of the
+// slots at args->slots + slot_base. Writes per head the max score, the sum of exp(score - max)
+// and the sum of exp(score - max) * value row (unnormalised, for the merge of split contexts).
+struct AttnUnit {
+    const AttnArgs* args;
+    const float* q;  // the R query rows
+    int g;
+    int64_t slot_base;
+    int c0, c1;
+    float* max;  // [R]
+    float* sum;  // [R]
+    float* acc;  // [R, Dv]
+};
+typedef void (*AttnUnitFn)(const AttnUnit& u);
+
 struct Kernels {
     const char* name;
     QuantizeFn quantize;
     DotRowsFn dot[64];  // by GGML type id; null: no native matmul for that type
+    AttnUnitFn attn_unit;
 };
 
 void init_scalar(Kernels& k);
 void init_avx2(Kernels& k);      // fills only what it implements on top of scalar
 void init_avx512(Kernels& k);
 void init_avx512vnni(Kernels& k);
+void init_attention_scalar(Kernels& k);  // attention.cpp and its ISA variants (attention_*.cpp)
+void init_attention_avx2(Kernels& k);
+void init_attention_avx512(Kernels& k);
 
 const Kernels& kernels();  // the table for the ISA in use
 

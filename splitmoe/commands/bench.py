@@ -18,11 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark tooling")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     m = bench_sub.add_parser("make-model", help="write a realistic-shape GGUF with random weights")
-    m.add_argument("--shape", required=True, choices=["qwen3-30b-a3b", "olmoe-1b-7b"])
+    m.add_argument("--shape", required=True, choices=["qwen3-30b-a3b", "olmoe-1b-7b"],
+                   help="the real model whose dimensions the file takes")
     m.add_argument("--layers", type=int, required=True, help="how many of the real model's layers to write")
-    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q4_0", "q8_0"])
+    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q4_0", "q8_0"],
+                   help="tensor types: q4_k_m is llama.cpp's mix (Q4_K, Q6_K for some)")
     m.add_argument("--out", required=True, help="the GGUF file to write")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="picks the random weights")
     m.add_argument("--vocab", type=int, default=0, help="override the shape's vocabulary size (small test files)")
     m.set_defaults(run=run_make_model)
 
@@ -31,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads (default: the CPUs this process may use): the expert services split T, the "
                         "attention service gets T (the two sides take turns); in-process and llama.cpp use T")
-    r.add_argument("--json", default="", metavar="OUT", help="also write every figure to this JSON file")
+    r.add_argument("--json", default="", metavar="OUT", help="also write every figure to this JSON file (default: none)")
     r.add_argument("--baseline", default="none", choices=["none", "llama.cpp"],
                    help="llama.cpp: run the peer on the same file and threads (needs `pip install 'splitmoe[bench]'`)")
     r.add_argument("--prompt-tokens", type=int, default=512, help="prefill / time-to-first-token prompt length")

@@ -14,12 +14,10 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _add_model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    if optional:
-        p.add_argument("model", nargs="?", help="path to a GGUF file (default: the built-in demo model)")
-    else:
-        p.add_argument("model", help="path to a GGUF file")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="path to a GGUF file (default: the built-in demo model)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="float32: the exact reference path; bfloat16: the serving fast path")
     p.add_argument("--device", default=None, help="torch device for attention (default: cuda if present, else cpu)")
 
 
@@ -31,9 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=cmd_logits)
 
     p = sub.add_parser("generate", help="print greedy text for a prompt")
-    _add_model_args(p, optional=True)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("-n", "--max-tokens", type=int, default=32)
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("-n", "--max-tokens", type=int, default=32, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.set_defaults(run=cmd_generate)
 
@@ -59,6 +57,9 @@ def cmd_logits(args: argparse.Namespace) -> int:
     if max(args.token_ids) >= runner.cfg.vocab_size or min(args.token_ids) < 0:
         raise ValueError(f"--token-ids: ids must lie in [0, {runner.cfg.vocab_size})")
     logits = runner.step([Sequence(0, args.token_ids)], all_logits=True)
+    if not logits.isfinite().all():  # GGUF has no checksum: NaN weights load, and must not pass as a result
+        raise ValueError(f"{runner.gguf.path.name}: {int((~logits.isfinite()).sum())} of {logits.numel()} logits "
+                         "are not finite: the file's weights hold NaN or infinity")
     import numpy as np
 
     np.save(args.out, logits.cpu().numpy().astype(np.float32))

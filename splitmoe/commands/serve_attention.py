@@ -3,40 +3,73 @@ from __future__ import annotations
 
 import argparse
 
+from splitmoe.commands.cluster_flags import add_cluster_flags, cluster_security
+
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
+# The options that shape what the attention service serves and how: `serve-attention` takes them,
+# and `up` takes the same ones and hands them to the attention service it starts. Defined once,
+# so the two never disagree on a name or a default.
+SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
+    ("--served-model-name", dict(default="", help="the model id clients send and /v1/models lists "
+                                                  "(default: the GGUF file's stem)")),
+    ("--dtype", dict(choices=["float32", "bfloat16"], default="bfloat16",
+                     help="bfloat16: the fast path (quantized kernels, float32 residual stream and router); "
+                          "float32: the exact reference path (dequantized weights, slowest)")),
+    ("--device", dict(default="", help="torch device for attention (default: cuda when present, else cpu)")),
+    ("--kv-cache-tokens", dict(type=int, default=16384, help="KV cache capacity in tokens, over all sequences")),
+    ("--max-batch-tokens", dict(type=int, default=512, help="tokens per step (prompt chunks + decodes)")),
+    ("--max-running", dict(type=int, default=64, help="sequences decoding together")),
+    ("--max-waiting", dict(type=int, default=256, help="queued requests before 429")),
+    ("--local-experts", dict(type=int, default=0, metavar="N",
+                             help="keep the first N MoE layers' experts in this process (like llama.cpp "
+                                  "--n-cpu-moe)")),
+    ("--transport", dict(choices=["auto", "grpc", "shm"], default="auto",
+                         help="auto: shared memory to expert services on this host, gRPC to the others")),
+    ("--expert-timeout-s", dict(type=float, default=30.0, help="deadline of every expert hop, in seconds")),
+    ("--experts-per-token", dict(type=int, default=0, metavar="K",
+                                 help="routed experts per token (0: the model's own); requests may override it")),
+    ("--reasoning-format", dict(choices=["auto", "none"], default="auto",
+                                help="auto: chat replies return the model's reasoning apart from the content "
+                                     "(harmony or <think> tags, found in the vocabulary); none: reasoning stays "
+                                     "inline in the content")),
+    ("--micro-batches", dict(type=int, choices=[1, 2], default=1,
+                             help="2: cut each step of several sequences in two and pipeline the halves, so "
+                                  "that attention of one overlaps the remote experts of the other "
+                                  "(MegaScale-Infer's ping-pong); pays where halving a batch halves its cost on "
+                                  "both sides (large batches), costs where decode is bound by weight reads")),
+)
+
+
+def add_serving_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("attention service")
+    for flag, kwargs in SERVING_OPTIONS:
+        group.add_argument(flag, **kwargs)
+
+
+def serving_options_argv(args: argparse.Namespace) -> list[str]:
+    """The serving options set to other than their defaults, as `serve-attention` arguments."""
+    argv = []
+    for flag, kwargs in SERVING_OPTIONS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value != kwargs["default"]:
+            argv += [flag, str(value)]
+    return argv
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-attention", help="run the attention service (gRPC)")
     p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="", help="default: cuda when present, else cpu")
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (prompt chunks + decodes)")
-    p.add_argument("--max-running", type=int, default=64, help="sequences decoding together")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--expert-services", type=_addresses, default=(),
-                   help="host:port,... of expert services (default: all experts in-process)")
-    p.add_argument("--local-experts", type=int, default=0, metavar="N",
-                   help="keep the first N MoE layers' experts in this process (like llama.cpp --n-cpu-moe)")
-    p.add_argument("--transport", choices=["auto", "grpc", "shm"], default="auto")
-    p.add_argument("--expert-timeout-s", type=float, default=30.0)
-    p.add_argument("--experts-per-token", type=int, default=0, metavar="K",
-                   help="routed experts per token (default: the model's own); requests may override it")
-    p.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
-                   help="auto: chat replies return the model's reasoning apart from the content (harmony or "
-                        "<think> tags, found in the vocabulary); none: reasoning stays inline in the content")
-    p.add_argument("--micro-batches", type=int, choices=[1, 2], default=1,
-                   help="2: cut each step of several sequences in two and pipeline the halves, so that attention "
-                        "of one overlaps the remote experts of the other (MegaScale-Infer's ping-pong); pays where "
-                        "halving a batch halves its cost on both sides (large batches), costs where decode is "
-                        "bound by weight reads (small batches read every weight twice)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+                   help="host:port,... of expert services (default: none, all experts in-process)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    add_serving_options(p)
+    add_cluster_flags(p, serves=True, calls=True)
     p.set_defaults(run=run)
 
 
@@ -62,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting, expert_services=args.expert_services,
         local_expert_layers=args.local_experts, transport=args.transport,
         expert_timeout_s=args.expert_timeout_s, experts_per_token=args.experts_per_token,
-        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format, micro_batches=args.micro_batches)
+        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format, micro_batches=args.micro_batches,
+        security=cluster_security(args))
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
     setup_tracing("splitmoe-attention", settings.otlp_endpoint)
-    logging.getLogger(__name__).info("starting attention service for %s", settings.model_path)
+    logging.getLogger(__name__).info("starting attention service for %s (%s)", settings.model_path, settings.dtype)
     asyncio.run(serve(settings))
     return 0

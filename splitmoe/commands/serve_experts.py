@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from splitmoe.commands.cluster_flags import add_cluster_flags, cluster_security
+
 if TYPE_CHECKING:  # heavy imports stay inside the command
     from expert_service.settings import ExpertServiceSettings
     from expert_service.shard import HostedShard
@@ -29,7 +31,7 @@ def _cpu_list(text: str) -> frozenset[int]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-experts", help="host a shard of a GGUF file's routed experts over gRPC")
     p.add_argument("model", help="path to a GGUF file (memory-mapped; only this shard's bytes are read)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="gRPC port")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     p.add_argument("--layers", type=_index_range, help="block indices to host, A-B inclusive (default: all MoE layers)")
     p.add_argument("--experts", type=_index_range, help="expert ids to host, X-Y inclusive (default: all)")
@@ -39,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start with no experts; the attention service assigns a shard with LoadShard")
     p.add_argument("--no-doorbell", dest="doorbell", action="store_false",
                    help="no shared-memory fast path: attention services on this host use gRPC too")
+    add_cluster_flags(p, serves=True, calls=False)
     p.set_defaults(run=cmd_serve_experts)
 
 
@@ -51,7 +54,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
         unassigned=args.unassigned, num_threads=args.threads, cpus=args.cpus, otlp_endpoint=otlp_endpoint(),
-        doorbell=args.doorbell)
+        doorbell=args.doorbell, security=cluster_security(args))
     return serve_experts(settings)
 
 

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import argparse
 
+from splitmoe.commands.cluster_flags import add_api_key_flags, add_cluster_flags, api_key, cluster_security
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-gateway", help="serve the OpenAI-compatible HTTP API in front of an attention service")
     p.add_argument("--attention", required=True, metavar="HOST:PORT", help="the attention service's gRPC address")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPLITMOE_API_KEY, else open)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    add_api_key_flags(p)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the model id the attention service reports)")
     p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of one generation (default 600)")
@@ -22,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 512; keep it well under a thousand per attention service, whose gRPC server "
                         "sheds calls at random past that)")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    add_cluster_flags(p, serves=False, calls=True)
     p.set_defaults(run=cmd_serve_gateway)
 
 
@@ -34,12 +36,14 @@ def cmd_serve_gateway(args: argparse.Namespace) -> int:
     from splitmoe.telemetry import setup_tracing
 
     settings = GatewaySettings.from_env(
-        attention_address=args.attention, host=args.host, port=args.port, api_key=args.api_key,
+        attention_address=args.attention, host=args.host, port=args.port, api_key=api_key(args),
         served_model_name=args.served_model_name, request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes, max_generations_per_request=args.max_generations_per_request,
-        max_generations_in_flight=args.max_generations_in_flight, public_metrics=args.public_metrics or None)
+        max_generations_in_flight=args.max_generations_in_flight, public_metrics=args.public_metrics or None,
+        cluster=cluster_security(args))
     setup_logging()
     setup_tracing("splitmoe-gateway", settings.otlp_endpoint)
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, loop="uvloop",
                 log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_s)
     return 0
+

@@ -5,6 +5,8 @@ attention service pointed at them, then the gateway; each stage waits until it i
 services log into one file each under a run directory (printed at start); the console shows only
 what `up` itself says: which service is ready where, the URL and a curl to paste. Ctrl-C or SIGTERM
 stops everything; a service that dies is named, its log tail shown, and the rest stopped (exit 1).
+The services share a cluster secret (SPLITMOE_CLUSTER_TOKEN if set, else a fresh random one per
+run), and the gateway gets the API key, both in their environment: never on a command line.
 The process management itself lives in `splitmoe.supervisor`.
 """
 from __future__ import annotations
@@ -15,9 +17,13 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from splitmoe.commands.cluster_flags import add_api_key_flags, api_key
+from splitmoe.commands.serve_attention import add_serving_options, serving_options_argv
+from splitmoe.settings import new_cluster_token
 
 if TYPE_CHECKING:
     from splitmoe.supervisor import ServiceSpec, Supervisor
@@ -32,7 +38,10 @@ class UpSettings:
     host: str = "127.0.0.1"            # the gateway's; every other service binds loopback
     port: int = 8000                   # the gateway's; 0 picks a free one
     threads: int = 0                   # split between the expert services; 0: the CPUs we may use
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    # Handed to every child in its environment (never on a command line): each run its own
+    cluster_token: str = field(default_factory=new_cluster_token, repr=False)
+    attention_options: tuple[str, ...] = ()  # serve-attention's serving options, as arguments
     run_dir: str = ""                  # default: <cache>/splitmoe/runs/<time>-<pid>
     startup_timeout_s: float = 300.0   # per stage: loading a large model's shard takes a while
     stop_grace_s: float = 10.0         # per stage, between SIGTERM and SIGKILL
@@ -59,12 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads split between the expert services (default: the CPUs this process may "
                         "use); the attention service gets T too, as it computes while the experts wait")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` at the gateway")
+    add_api_key_flags(p)
     p.add_argument("--run-dir", default="", help="where the services' logs go (default: a new directory "
                                                  "under ~/.cache/splitmoe/runs/)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0,
                    help="how long each stage may take to become healthy")
     p.add_argument("--stop-grace-s", type=float, default=10.0, help="how long a stopping service gets before SIGKILL")
+    add_serving_options(p)
     p.set_defaults(run=run)
 
 
@@ -95,20 +105,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> UpSettings:
+    from splitmoe import settings
+
     model = args.model
     if model is None:
         from splitmoe.demo_model import demo_model_path
 
         model = str(demo_model_path())
     return UpSettings(model_path=model, num_expert_services=args.expert_services, host=args.host, port=args.port,
-                      threads=args.threads, api_key=args.api_key, run_dir=args.run_dir,
-                      startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s)
+                      threads=args.threads, api_key=api_key(args),
+                      attention_options=tuple(serving_options_argv(args)), run_dir=args.run_dir,
+                      startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s,
+                      cluster_token=settings.cluster_token() or new_cluster_token())
 
 
 def _expert_count(model_path: str) -> int:
+    from modelfile.experts import expert_count
     from modelfile.gguf_file import GGUFFile
 
-    return int(GGUFFile(model_path).arch_require("expert_count"))
+    return expert_count(GGUFFile(model_path))
 
 
 def _make_run_dir(requested: str) -> Path:
@@ -169,7 +184,8 @@ def expert_specs(settings: UpSettings, num_experts: int, ports: list[int]) -> li
         argv = (*CHILD_PREFIX, "serve-experts", settings.model_path, "--host", "127.0.0.1", "--port", str(port),
                 "--experts", f"{first}-{last}", "--threads", str(num_threads))
         specs.append(ServiceSpec(f"expert-{i}", argv, address, lambda a=address: GrpcHealthProbe(a),
-                                 detail=f", experts {first}-{last}, {num_threads} thread{'s' * (num_threads != 1)}"))
+                                 detail=f", experts {first}-{last}, {num_threads} thread{'s' * (num_threads != 1)}",
+                                 env=cluster_env(settings)))
     return specs
 
 
@@ -182,19 +198,31 @@ def attention_spec(settings: UpSettings, port: int, expert_addresses: list[str])
         argv += ["--expert-services", ",".join(expert_addresses)]
     if settings.threads:
         argv += ["--threads", str(settings.threads)]
+    argv += settings.attention_options
     detail = "" if expert_addresses else ", experts in-process"
-    return ServiceSpec("attention", tuple(argv), address, lambda: GrpcHealthProbe(address), detail=detail)
+    return ServiceSpec("attention", tuple(argv), address, lambda: GrpcHealthProbe(address), detail=detail,
+                       env=cluster_env(settings))
 
 
 def gateway_spec(settings: UpSettings, port: int, attention_address: str) -> ServiceSpec:
     from splitmoe.supervisor import HttpHealthProbe, ServiceSpec
 
     base_url = f"http://{connect_host(settings.host)}:{port}"
-    argv = [*CHILD_PREFIX, "serve-gateway", "--attention", attention_address, "--host", settings.host,
-            "--port", str(port)]
+    argv = (*CHILD_PREFIX, "serve-gateway", "--attention", attention_address, "--host", settings.host,
+            "--port", str(port))
+    env = cluster_env(settings)
     if settings.api_key:
-        argv += ["--api-key", settings.api_key]
-    return ServiceSpec("gateway", tuple(argv), base_url, lambda: HttpHealthProbe(f"{base_url}/health"))
+        from gateway.settings import ENV_API_KEY
+
+        env[ENV_API_KEY] = settings.api_key
+    return ServiceSpec("gateway", argv, base_url, lambda: HttpHealthProbe(f"{base_url}/health"), env=env)
+
+
+def cluster_env(settings: UpSettings) -> dict[str, str]:
+    """What every child finds in its environment: the cluster secret of this run."""
+    from splitmoe.settings import CLUSTER_TOKEN_ENV
+
+    return {CLUSTER_TOKEN_ENV: settings.cluster_token}
 
 
 def _start(supervisor: Supervisor, settings: UpSettings, num_experts: int) -> None:
@@ -232,6 +260,6 @@ def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
 
 
 def ready_banner(base_url: str, model_id: str, api_key: str | None) -> str:
-    return (f"\nSplitMoE is up: {base_url}/v1  (model {model_id!r}; OpenAI-compatible)\n"
+    return (f"\nSplitMoE is up: {base_url}/v1  (model {model_id!r}; the base URL for OpenAI clients)\n"
             f"Try:\n  {curl_example(base_url, model_id, api_key)}\n"
             f"Ctrl-C stops every service.\n")

@@ -27,13 +27,15 @@ from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from attention_service.routing import route
 from modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from splitmoe.cli import main
+from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids
 from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
 from tests.support.hf_to_gguf import F32, Q8_0, convert
 
 ARCHS = ["deepseek2", "deepseek3"]
 QUANTS = ["q8_0", "q4_k_m"]
-DTYPES = ["float32", "bfloat16"]
+# (dtype, forced CPU path) of each run: bfloat16 on this CPU's best path and on the lower one.
+RUNS = [("float32", "best"), *(("bfloat16", path) for path in PATHS)]
 # A gap in selection score (the probability or biased sigmoid the top-k is taken over; for a
 # group, its top-2 sum) between the last chosen and the first left-out that bf16 may close. The
 # bf16 weights move these scores by up to ~0.01 in the fixtures.
@@ -50,11 +52,17 @@ def prompt_ids(fixtures_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(fixtures_dir, prompt_ids, tmp_path_factory) -> dict:
-    """(arch, quant, dtype) -> per prompt (routing per MoE layer, `splitmoe logits` output)."""
+    """(arch, quant, dtype, path) -> per prompt (routing per MoE layer, `splitmoe logits` output)."""
     out = tmp_path_factory.mktemp("deepseek") / "logits.npy"
-    return {(arch, q, dtype): [logits_with_routes(fixtures_dir / arch / f"{arch}-{q}.gguf", ids, dtype, out)
-                               for ids in prompt_ids]
-            for arch in ARCHS for q in QUANTS for dtype in DTYPES}
+    runs = {}
+    for arch in ARCHS:
+        for q in QUANTS:
+            for dtype, path in RUNS:
+                with forced_path(path):
+                    runs[arch, q, dtype, path] = [
+                        logits_with_routes(fixtures_dir / arch / f"{arch}-{q}.gguf", ids, dtype, out)
+                        for ids in prompt_ids]
+    return runs
 
 
 def logits_with_routes(model: Path, ids: list[int], dtype: str, out: Path):
@@ -81,15 +89,16 @@ def reference(fixtures_dir, arch: str, name: str, prompt: int) -> np.ndarray:
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_matches_transformers_on_dequantized_weights(fixtures_dir, runs, arch, quant):
-    for i, (_, got) in enumerate(runs[arch, quant, "float32"]):
+    for i, (_, got) in enumerate(runs[arch, quant, "float32", "best"]):
         ref = reference(fixtures_dir, arch, f"hfdeq_{quant}", i)
         assert got.shape == ref.shape
         assert max_abs(got, ref) <= 1e-4, f"prompt {i}"
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_close_to_transformers(fixtures_dir, runs, arch, quant):
+def test_bfloat16_close_to_transformers(fixtures_dir, runs, arch, quant, path):
     """rel-L2 ≤ 3e-2 over the positions whose experts bf16 leaves as float32 chose them.
 
     deepseek3's sigmoid scores sit in a narrow band and its groups are scored by sums, so bf16
@@ -98,7 +107,7 @@ def test_bfloat16_close_to_transformers(fixtures_dir, runs, arch, quant):
     run, so a real routing bug still fails.
     """
     for i, ((f32_routes, _), (bf16_routes, got)) in enumerate(
-            zip(runs[arch, quant, "float32"], runs[arch, quant, "bfloat16"])):
+            zip(runs[arch, quant, "float32", "best"], runs[arch, quant, "bfloat16", path])):
         ref = reference(fixtures_dir, arch, f"hfdeq_{quant}", i)
         flipped = routing_flips(f32_routes, bf16_routes)
         for position, (layer, gap) in flipped.items():
@@ -141,7 +150,7 @@ def selection_margins(router_logits, top_k, gating, renormalize, scale=1.0, *, s
 @pytest.mark.parametrize("arch", ARCHS)
 def test_close_to_llama_cpp(fixtures_dir, runs, arch, quant):
     """llama.cpp quantizes activations inside its dot products: compare as the fixtures README says."""
-    got = np.concatenate([logits for _, logits in runs[arch, quant, "float32"]])
+    got = np.concatenate([logits for _, logits in runs[arch, quant, "float32", "best"]])
     ref = np.concatenate([reference(fixtures_dir, arch, f"llamacpp_{quant}", i) for i in range(2)])
     per_position = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert np.median(per_position) < 5e-2

@@ -13,10 +13,12 @@ import torch
 from attention_service.experts_client import ExpertRequestError, ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
 from modelfile.gguf_file import GGUFFile
 from tests.support.expert_services import ExpertServices
+from proto import expert_pb2, expert_pb2_grpc
+from tests.support.processes import CLUSTER, cluster_channel
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 TIMEOUT_S = 1.0
-FAST = dict(expert_timeout_s=TIMEOUT_S, connect_timeout_s=0.5, reconnect_interval_s=0.2)
+FAST = dict(expert_timeout_s=TIMEOUT_S, connect_timeout_s=0.5, reconnect_interval_s=0.2, security=CLUSTER)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,26 @@ def test_killed_service_fails_fast_others_keep_serving_and_a_restart_is_picked_u
     time.sleep(FAST["reconnect_interval_s"])
     assert torch.equal(backend.forward(1, hidden, ids, weights), expected)
     assert backend.health()[high].healthy and backend.health()[high].shard.experts == (4, 5, 6, 7)
+
+
+def test_a_service_that_stops_hosting_its_part_of_the_placement_is_unhealthy_until_it_does_again(services, backend):
+    high = services.address("high")
+    hidden, ids, weights = routing([2, 7])
+    expected = backend.forward(1, hidden, ids, weights)
+    with cluster_channel(high) as channel:  # an operator holding the secret, loading another shard
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        stub.LoadShard(expert_pb2.LoadShardRequest(layers=[0, 1], experts=[4]), timeout=10)
+        deadline_s = time.monotonic() + 5
+        while backend.health()[high].healthy and time.monotonic() < deadline_s:
+            time.sleep(0.02)
+        health = backend.health()[high]
+        assert not health.healthy and "the placement needs" in health.last_error
+        with pytest.raises(ExpertsUnavailable, match="L1.E7"):  # not zeros for experts 5-7
+            backend.forward(1, hidden, ids, weights)
+        time.sleep(3 * FAST["reconnect_interval_s"])
+        assert not backend.health()[high].healthy  # a shard other than ours is not overwritten
+        stub.LoadShard(expert_pb2.LoadShardRequest(), timeout=10)  # emptied: ours is loaded again
+        assert wait_healthy(backend, high)
+        info = stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert (list(info.layers), list(info.experts)) == ([0, 1], [4, 5, 6, 7])
+    assert torch.equal(backend.forward(1, hidden, ids, weights), expected)

@@ -23,13 +23,15 @@ from attention_service.server import _add_expert_stats
 from modelfile.experts import ExpertKey
 from modelfile.gguf_file import GGUFFile
 from proto import attention_pb2
+from splitmoe.cluster_auth import ClusterSecurity
 from tests.support.expert_services import ExpertServices
-from tests.support.processes import free_port
+from tests.support.processes import CLUSTER, free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 PROMPT = [5, 17, 30, 42, 7, 99, 250, 3, 11, 64, 128, 200, 271, 0]
 OPTIONS = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=64)
-FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0)
+FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0,
+            security=CLUSTER)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +219,15 @@ def test_startup_fails_with_one_line_when_a_service_never_answers(demo_gguf):
     assert time.monotonic() - start_s < 5
 
 
+def test_startup_without_the_cluster_secret_fails_with_one_line_saying_so(services, demo_gguf):
+    low = services.address("low")
+    with pytest.raises(ExpertsUnavailable) as e:
+        with remote(GGUFFile(demo_gguf), low, security=ClusterSecurity(token="not-the-cluster-secret-0123")):
+            pass
+    message = str(e.value)
+    assert "\n" not in message and f"{low} refused us: UNAUTHENTICATED" in message and "cluster secret" in message
+
+
 def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
     real = socket.getaddrinfo
 
@@ -229,7 +240,8 @@ def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
 
     monkeypatch.setattr(socket, "getaddrinfo", compose_dns)
     assert resolve_addresses(["expert:50061", "127.0.0.1:7", "localhost:8"]) == [
-        "172.18.0.3:50061", "172.18.0.4:50061", "127.0.0.1:7", "localhost:8"]
+        ("172.18.0.3:50061", "expert"), ("172.18.0.4:50061", "expert"), ("127.0.0.1:7", "127.0.0.1"),
+        ("localhost:8", "localhost")]
 
 
 # ---- replicas -------------------------------------------------------------------------------

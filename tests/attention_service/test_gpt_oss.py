@@ -21,11 +21,13 @@ from attention_service import transformer
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from kernels.moe import SWIGLU_OAI_LIMIT
 from splitmoe.cli import main
+from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.hf_reference import NEAR_TIE, build_model, hf_logits, max_abs, rel_l2, routing_flips
 from tests.support.hf_to_gguf import Q8_0, convert
 
 QUANTS = ["q8_0", "q4_k_m", "mxfp4_moe"]
-DTYPES = ["float32", "bfloat16"]
+# (dtype, forced CPU path) of each run: bfloat16 on this CPU's best path and on the lower one.
+RUNS = [("float32", "best"), *(("bfloat16", path) for path in PATHS)]
 
 
 # ---- the llama.cpp fixtures ------------------------------------------------------------------
@@ -38,11 +40,15 @@ def prompt_ids(fixtures_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runs(fixtures_dir, prompt_ids, tmp_path_factory) -> dict:
-    """(quant, dtype) -> per prompt (router logits and ids per layer, `splitmoe logits` output)."""
+    """(quant, dtype, path) -> per prompt (router logits and ids per layer, `splitmoe logits` output)."""
     out_dir = tmp_path_factory.mktemp("gptoss")
-    return {(q, dtype): [logits_with_routes(fixtures_dir / "gptoss" / f"gptoss-{q}.gguf", ids, dtype, out_dir)
-                         for ids in prompt_ids]
-            for q in QUANTS for dtype in DTYPES}
+    runs = {}
+    for q in QUANTS:
+        for dtype, path in RUNS:
+            with forced_path(path):
+                runs[q, dtype, path] = [logits_with_routes(fixtures_dir / "gptoss" / f"gptoss-{q}.gguf", ids, dtype,
+                                                           out_dir) for ids in prompt_ids]
+    return runs
 
 
 def logits_with_routes(model, ids: list[int], dtype: str, out_dir):
@@ -68,7 +74,7 @@ def reference(fixtures_dir, name: str, prompt: int) -> np.ndarray:
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_float32_matches_dequantized_transformers(fixtures_dir, runs, quant):
-    for i, (_, got) in enumerate(runs[quant, "float32"]):
+    for i, (_, got) in enumerate(runs[quant, "float32", "best"]):
         ref = reference(fixtures_dir, f"hfdeq_{quant}", i)
         assert got.shape == ref.shape
         assert max_abs(got, ref) <= 1e-3
@@ -77,15 +83,16 @@ def test_float32_matches_dequantized_transformers(fixtures_dir, runs, quant):
 @pytest.mark.parametrize("quant", QUANTS)
 def test_float32_within_llamacpp_distance(fixtures_dir, runs, quant):
     """llama.cpp also quantizes activations: compare per position (fixtures README)."""
-    for i, (_, got) in enumerate(runs[quant, "float32"]):
+    for i, (_, got) in enumerate(runs[quant, "float32", "best"]):
         ref = reference(fixtures_dir, f"llamacpp_{quant}", i)
         per_position = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
         assert np.median(per_position) < 5e-2
         assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.85
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_bfloat16_close_to_dequantized_transformers(fixtures_dir, runs, quant):
+def test_bfloat16_close_to_dequantized_transformers(fixtures_dir, runs, quant, path):
     """rel-L2 <= 3e-2 at every position whose experts bf16 did not change.
 
     gpt-oss's router logits here are flat: on p1, bf16 weights flip 3-4 expert choices whose
@@ -93,7 +100,8 @@ def test_bfloat16_close_to_dequantized_transformers(fixtures_dir, runs, quant):
     rel-L2 3.3-4.1e-2; 1.1-1.2e-2 without those positions). Each flip must be such a near-tie,
     so a real routing bug still fails.
     """
-    for i, ((f32_routes, _), (bf16_routes, got)) in enumerate(zip(runs[quant, "float32"], runs[quant, "bfloat16"])):
+    pairs = zip(runs[quant, "float32", "best"], runs[quant, "bfloat16", path])
+    for i, ((f32_routes, _), (bf16_routes, got)) in enumerate(pairs):
         ref = reference(fixtures_dir, f"hfdeq_{quant}", i)
         flipped = routing_flips(f32_routes, bf16_routes)
         for position, (layer, gap) in flipped.items():

@@ -2,7 +2,6 @@
 through the request, the engine, the settings and a real `serve-attention` process."""
 import queue
 
-import grpc
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from proto import attention_pb2_grpc
 from splitmoe.cli import build_parser
 from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab
 from tests.support.harmony_model import write_harmony_demo_model
-from tests.support.processes import free_port, grpc_service
+from tests.support.processes import cluster_channel, free_port, grpc_service
 
 THINK_TAGS = ("<think>", "</think>")
 HARMONY_PROMPT = "<|start|>user<|message|>Say hi.<|end|><|start|>assistant"
@@ -306,7 +305,7 @@ def service(harmony_gguf, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "attention.log"
     with grpc_service(["serve-attention", str(harmony_gguf), "--port", str(port), "--kv-cache-tokens", "512"],
                       port, log):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with cluster_channel(f"127.0.0.1:{port}") as channel:
             yield attention_pb2_grpc.AttentionServiceStub(channel)
 
 

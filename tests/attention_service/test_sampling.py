@@ -54,3 +54,10 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     negative = torch.tensor([-1.0, -1.1])
     assert RequestSampler(options, 2, prompt_ids=[0])(negative).token_id == 1  # -1.2 < -1.1
     assert RequestSampler(SamplingOptions(temperature=0.0), 2, prompt_ids=[0])(negative).token_id == 0
+
+
+def test_no_logprob_work_unless_asked():
+    s = RequestSampler(SamplingOptions(temperature=0.0), 5)(logits())
+    assert (s.token_id, s.logprob, s.top) == (1, None, ())
+    asked = RequestSampler(SamplingOptions(temperature=0.0, logprobs=True), 5)(logits())
+    assert asked.logprob == pytest.approx(float(torch.log_softmax(logits(), -1)[1]))

@@ -10,20 +10,26 @@ from attention_service.generate import greedy_tokens
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
 from proto import attention_pb2 as pb
 from proto import attention_pb2_grpc
-from tests.support.processes import free_port, grpc_service
+from tests.support.processes import (assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
+                                    stranger_channel)
 
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def service(demo_gguf, tmp_path_factory):
+def service_address(demo_gguf, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "attention.log"
-    args = ["serve-attention", str(demo_gguf), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64"]
+    args = ["serve-attention", str(demo_gguf), "--port", str(port), "--max-waiting", "32", "--max-batch-tokens", "64",
+            "--dtype", "float32"]  # compared with the float32 runner token for token
     with grpc_service(args, port, log):
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def service(service_address):
+    with cluster_channel(service_address) as channel:
         yield attention_pb2_grpc.AttentionServiceStub(channel)
-        channel.close()
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +44,18 @@ def generate(stub, ids, max_tokens=12, **sampling):
     assert responses[-1].finish_reason == "length"
     assert responses[-1].usage.completion_tokens == max_tokens
     return [t.token_id for r in responses for t in r.tokens]
+
+
+@pytest.mark.parametrize("secret", [None, "a-wrong-cluster-secret-0123456789"], ids=["no-secret", "wrong-secret"])
+def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service_address, secret):
+    with stranger_channel(service_address, secret) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        assert_refused_but_probes_pass(channel, {
+            "Generate": lambda: next(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), timeout=10)),
+            "Score": lambda: stub.Score(pb.ScoreRequest(token_ids=pb.TokenIds(ids=[5, 6])), timeout=10),
+            "ModelInfo": lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10),
+            "GetStats": lambda: stub.GetStats(pb.AttentionStatsRequest(), timeout=10),
+        })
 
 
 def test_greedy_generation_equals_the_single_process_reference(service, runner):

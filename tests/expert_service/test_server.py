@@ -15,20 +15,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from modelfile.experts import ExpertKey, ExpertShard
 from modelfile.gguf_file import GGUFFile
 from proto import codec, doorbell, expert_pb2, expert_pb2_grpc
-from proto.shm import ShmArena, ShmRegion
-from tests.support.processes import free_port, grpc_service, spawn, wait_grpc_serving
+from proto.shm import ShmRegion
+from tests.support.processes import (CLUSTER, assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
+                                    spawn, stranger_channel, wait_grpc_serving)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 HIDDEN = 64
 
 
 @pytest.fixture(scope="module")
-def service(demo_gguf, tmp_path_factory):
+def service_address(demo_gguf, tmp_path_factory):
     port = free_port()
     args = ["serve-experts", str(demo_gguf), "--port", str(port), "--experts", "0-3", "--threads", "1"]
     with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "experts.log"):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield expert_pb2_grpc.ExpertServiceStub(channel)
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def service(service_address):
+    with cluster_channel(service_address) as channel:
+        yield expert_pb2_grpc.ExpertServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ def unassigned(demo_gguf, tmp_path_factory):
     port = free_port()
     args = ["serve-experts", str(demo_gguf), "--port", str(port), "--unassigned"]
     with grpc_service(args, port, tmp_path_factory.mktemp("logs") / "unassigned.log"):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with cluster_channel(f"127.0.0.1:{port}") as channel:
             yield expert_pb2_grpc.ExpertServiceStub(channel)
 
 
@@ -79,6 +85,21 @@ def test_health_and_shard_description(service, demo_gguf):
     assert info.hostname
 
 
+@pytest.mark.parametrize("secret", [None, "a-wrong-cluster-secret-0123456789"], ids=["no-secret", "wrong-secret"])
+def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service, service_address, secret):
+    with stranger_channel(service_address, secret) as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        assert_refused_but_probes_pass(channel, {
+            "DescribeShard": lambda: stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10),
+            "LoadShard": lambda: stub.LoadShard(expert_pb2.LoadShardRequest(layers=[], experts=[]), timeout=10),
+            "GetStats": lambda: stub.GetStats(expert_pb2.StatsRequest(), timeout=10),
+            "Forward": lambda: next(stub.Forward(iter([request(0, *routing(2))]), timeout=10)),
+        })
+    # The refused LoadShard emptied nothing.
+    info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_matches_the_shard_in_process(service, demo_gguf, dtype):
     reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
@@ -115,30 +136,6 @@ def test_bad_requests_are_answered_in_band_and_the_stream_survives(service):
         stream.close()
 
 
-def test_forward_through_shared_memory(service, demo_gguf):
-    reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
-    hidden, ids, weights = routing(6)
-    arena = ShmArena(1 << 16)
-    stream = Stream(service)
-    try:
-        arena.reset(1 << 16)
-        r = expert_pb2.ExpertRequest(step_id=1, layer=1)
-        for msg, tensor in ((r.hidden, hidden), (r.expert_ids, ids.to(torch.int32)), (r.expert_weights, weights)):
-            slot, offset = arena.alloc(tuple(tensor.shape), tensor.dtype)
-            slot.copy_(tensor)
-            codec.encode_shm(tuple(tensor.shape), tensor.dtype, arena.name, offset, out=msg)
-        out, offset = arena.alloc((6, HIDDEN), torch.float32)
-        codec.encode_shm((6, HIDDEN), torch.float32, arena.name, offset, out=r.output_shm)
-        answer = stream.ask(r)
-        assert not answer.error and not answer.HasField("output")
-        assert torch.equal(out, reference.forward(1, hidden, ids, weights))
-        r.hidden.shm.region = "splitmoe-1-0"  # a region that does not exist: in-band, stream lives
-        assert "splitmoe-1-0" in stream.ask(r).error
-    finally:
-        stream.close()
-        arena.close()
-
-
 class Doorbell:
     """A hand-driven doorbell connection: one shared-memory slot, raw headers."""
 
@@ -151,9 +148,20 @@ class Doorbell:
         self.seq = 0
 
     def hello(self, version=doorbell.VERSION) -> tuple[int, bytes]:
+        """(status, the challenge or the error)."""
         self.sock.send(doorbell.HELLO.pack(doorbell.KIND_HELLO, version, doorbell.MAGIC))
         answer = self.sock.recv(4096)
         return doorbell.REPLY.unpack_from(answer)[1], answer[doorbell.REPLY.size:]
+
+    def prove(self, token=CLUSTER.token) -> tuple[int, bytes]:
+        """The whole handshake; (status, error) of the proof."""
+        status, challenge = self.hello()
+        assert status == doorbell.STATUS_OK and len(challenge) == doorbell.NONCE_BYTES
+        self.sock.send(doorbell.PROOF.pack(doorbell.KIND_PROOF, doorbell.proof(token, challenge)))
+        answer = self.sock.recv(4096)
+        kind, status, *_ = doorbell.REPLY.unpack_from(answer)
+        assert kind == doorbell.KIND_PROOF
+        return status, answer[doorbell.REPLY.size:]
 
     def ask(self, layer, hidden, ids, weights, slot=0):
         """(status, error, output view, compute ns) of one hop through slot 0's region."""
@@ -162,11 +170,11 @@ class Doorbell:
         self.region.view(layout.hidden, tuple(hidden.shape), hidden.dtype).copy_(hidden)
         self.region.view(layout.expert_ids, tuple(ids.shape), torch.int32).copy_(ids)
         self.region.view(layout.expert_weights, tuple(ids.shape), torch.float32).copy_(weights)
-        name = b"" if self.announced else self.region.name.encode()
+        announced = b"" if self.announced else doorbell.announcement(self.region.name, self.region.num_bytes)
         self.announced = True
         self.seq += 1
         self.sock.send(doorbell.REQUEST.pack(doorbell.KIND_FORWARD, codec.proto_dtype(hidden.dtype), slot, layer,
-                                             num_tokens, top_k, hidden_size, self.seq, len(name), 0) + name)
+                                             num_tokens, top_k, hidden_size, self.seq, len(announced), 0) + announced)
         answer = self.sock.recv(4096)
         kind, status, seq, start_ns, end_ns, compute_ns = doorbell.REPLY.unpack_from(answer)
         assert (kind, seq) == (doorbell.KIND_FORWARD, self.seq) and start_ns <= end_ns
@@ -184,7 +192,7 @@ def test_forward_through_the_doorbell(service, demo_gguf):
     reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
     bell = Doorbell(info.doorbell)
     try:
-        assert bell.hello() == (doorbell.STATUS_OK, b"")
+        assert bell.prove() == (doorbell.STATUS_OK, b"")
         for layer in (0, 1):
             hidden, ids, weights = routing(5, seed=layer)
             status, error, output, compute_ns = bell.ask(layer, hidden, ids, weights)
@@ -215,10 +223,11 @@ def test_doorbell_refuses_another_version_and_can_be_turned_off(service, demo_gg
     from expert_service.settings import ExpertServiceSettings
     from expert_service.shard import HostedShard
 
-    server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0, doorbell=False), HostedShard(GGUFFile(demo_gguf)))
+    server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0, doorbell=False, security=CLUSTER),
+                          HostedShard(GGUFFile(demo_gguf)))
     port = server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with cluster_channel(f"127.0.0.1:{port}") as channel:
             info = expert_pb2_grpc.ExpertServiceStub(channel).DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
         assert info.doorbell == "" and info.layers
     finally:
@@ -264,10 +273,10 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
 
     spans = InMemorySpanExporter()
     setup_tracing("test-experts", extra_processors=[SimpleSpanProcessor(spans)])
-    server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0), HostedShard(GGUFFile(demo_gguf)))
+    server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0, security=CLUSTER), HostedShard(GGUFFile(demo_gguf)))
     port = server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with cluster_channel(f"127.0.0.1:{port}") as channel:
             stub = expert_pb2_grpc.ExpertServiceStub(channel)
             with trace.get_tracer("test").start_as_current_span("decode step") as step:
                 r = request(0, *routing(2))
@@ -287,7 +296,7 @@ def test_sigterm_drains_and_exits_cleanly(demo_gguf, tmp_path):
     proc = spawn(["serve-experts", str(demo_gguf), "--port", str(port), "--layers", "1-1", "--cpus", "0"], log_path)
     try:
         wait_grpc_serving(f"127.0.0.1:{port}", 60, proc)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with cluster_channel(f"127.0.0.1:{port}") as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="splitmoe.v1.ExpertService"), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING
@@ -305,8 +314,20 @@ def test_sigterm_drains_and_exits_cleanly(demo_gguf, tmp_path):
     assert f"ready on 127.0.0.1:{port}: demo.gguf layers 1, experts 0-7" in log
 
 
-def test_bad_command_lines_fail_with_one_line(demo_gguf, tmp_path):
+def test_bad_command_lines_fail_with_one_line(demo_gguf, tmp_path, monkeypatch, capsys):
     from splitmoe.cli import main
 
     assert main(["serve-experts", str(demo_gguf), "--port", "1", "--unassigned", "--experts", "0-3"]) == 2
     assert main(["serve-experts", str(tmp_path / "missing.gguf"), "--port", "1"]) == 2
+    monkeypatch.delenv("SPLITMOE_CLUSTER_TOKEN", raising=False)
+    capsys.readouterr()
+    # No secret: every caller is admitted, so only callers on this host may reach it.
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--host", "0.0.0.0"]) == 2
+    assert "--host 0.0.0.0: listening beyond loopback needs the cluster secret" in capsys.readouterr().err
+    (tmp_path / "short").write_text("tooshort\n")
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--cluster-token-file", str(tmp_path / "short")]) == 2
+    assert "at least 16" in capsys.readouterr().err
+    monkeypatch.setenv("SPLITMOE_CLUSTER_TOKEN", CLUSTER.token)
+    assert main(["serve-experts", str(demo_gguf), "--port", "1", "--host", "0.0.0.0", "--tls-cert",
+                 str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.pem")]) == 2
+    assert "--tls-cert" in capsys.readouterr().err

@@ -68,6 +68,13 @@ def test_models_and_health(http):
     assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", DEMO_CONTEXT_TOKENS)
 
 
+@pytest.mark.parametrize("path", ["/", "/v1"])
+def test_the_printed_urls_answer_with_an_index(http, path):
+    body = http.get(path).json()
+    assert body["openai_base_url"] == "/v1" and body["model"] == http.get("/v1/models").json()["data"][0]["id"]
+    assert "POST /v1/chat/completions" in body["routes"] and "GET /health" in body["routes"]
+
+
 def test_chat_non_streaming(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **CLIENT_GREEDY)
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion" and out.model == MODEL

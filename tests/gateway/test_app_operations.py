@@ -4,8 +4,8 @@ Real processes on loopback: `splitmoe serve-gateway` -> `splitmoe serve-attentio
 one running and one waiting request at most) -> two `splitmoe serve-experts`, each the only host of
 half the experts. Every state is reached by its real cause: the gateway starts before the attention
 service (503, down), the attention service waits for expert services that do not answer (503, loading),
-concurrent long requests fill the queue (429), and kill -9 takes an expert service away (an error
-event mid-stream, 503 in /health).
+concurrent long requests fill the queue (429), kill -9 takes an expert service away (an error
+event mid-stream, 503 in /health), and so does loading another shard into one (503 in /health).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from tests.support.expert_services import ExpertServices
 from tests.support.gateway_http import (
     assert_openai_error, metric, running_gateway, samples, wait_http, wait_until_idle,
 )
-from tests.support.processes import free_port, spawn, stop
+from proto import expert_pb2, expert_pb2_grpc
+from tests.support.processes import cluster_channel, free_port, spawn, stop
 
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf
 EXPERT_TIMEOUT_S = 2.0
@@ -207,3 +208,22 @@ def assert_dead_expert_is_reported(http: httpx.Client, stack: Stack) -> None:
     refused = http.post("/v1/chat/completions", json=CHAT)
     assert_openai_error(refused, 503, "service_unavailable_error")
     assert stack.experts.address("high") not in refused.text
+
+
+def test_health_is_503_while_an_expert_service_hosts_less_than_the_placement_needs(http, stack):
+    high = stack.experts.address("high")
+    with cluster_channel(high) as channel:
+        stub = expert_pb2_grpc.ExpertServiceStub(channel)
+        layers = list(stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).layers)
+        stub.LoadShard(expert_pb2.LoadShardRequest(layers=layers, experts=[0]), timeout=10)  # not ours: 4-7 lost
+        try:
+            health = wait_http(stack.url + "/health", None, lambda r: r.status_code != 200, timeout_s=15)
+            assert assert_openai_error(health, 503, "service_unavailable_error")["code"] == "expert_unhealthy"
+            assert_openai_error(http.post("/v1/chat/completions", json=CHAT), 503, "service_unavailable_error")
+        finally:
+            stub.LoadShard(expert_pb2.LoadShardRequest(), timeout=10)  # emptied: the attention service refills it
+        wait_http(stack.url + "/health", None, lambda r: r.status_code == 200, timeout_s=30)
+        refilled = stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
+    assert list(refilled.experts) == list(range(SHAPE.num_experts // 2, SHAPE.num_experts))
+    out = http.post("/v1/chat/completions", json={**SHORT, "max_tokens": 3})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3

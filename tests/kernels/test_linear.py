@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 import kernels.linear as kl
+from kernels.cpu_features import GEMM_DTYPE_ENV
 from kernels.linear import QuantEmbedding, QuantLinear, linear
 from kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_quants import random_blocks
@@ -68,8 +69,17 @@ def test_few_rows_take_the_int8_kernel_within_its_rounding(native_module, qtype,
     assert (got.double() - want).abs().max() > 0
 
 
+# What the many-rows route's error may reach, by GEMM dtype (`mag` = |x| @ |W|.T):
+# float32 products summed in float32: the recursive-summation bound γ_k ≈ k·eps;
+# bfloat16 inputs: x and W each rounded once (2^-9 each), products summed in float32.
+GEMM_BOUND = {"float32": lambda k: 2 * k * F32_EPS, "bfloat16": lambda k: 2 ** -7}
+
+
+@pytest.mark.parametrize("gemm", list(GEMM_BOUND))
 @pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda t: t.name)
-def test_many_rows_take_dequantize_and_float32_gemm(native_module, qtype, monkeypatch):
+def test_many_rows_take_dequantize_and_gemm(native_module, qtype, gemm, monkeypatch):
+    """Both GEMM dtypes on every CPU (SPLITMOE_GEMM_DTYPE forces one), each held to its own bound."""
+    monkeypatch.setenv(GEMM_DTYPE_ENV, gemm)
     monkeypatch.setattr(kl, "CHUNK_ELEMS", 7 * 256)  # several chunks, the last one short
     k = 256
     qt = quant_tensor(qtype, 40, k, seed=1)
@@ -79,23 +89,8 @@ def test_many_rows_take_dequantize_and_float32_gemm(native_module, qtype, monkey
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
     got = lin(x)
     want, mag = exact(x, qt)
-    # float32 products summed in float32: the recursive-summation bound γ_k ≈ k·eps
-    assert ((got.double() - want).abs() <= 2 * k * F32_EPS * mag + 1e-30).all()
-
-
-def test_gemm_in_bfloat16_where_the_cpu_has_it(native_module, monkeypatch):
-    monkeypatch.setattr(kl, "cpu_has_native_bf16", lambda: True)
-    assert kl.gemm_dtype() == torch.bfloat16
-    qt = quant_tensor(T.Q4_K, 32, 256)
-    x = torch.randn(kl.SMALL_BATCH_ROWS + 1, 256, generator=torch.Generator().manual_seed(3))
-    got = QuantLinear(qt)(x)
-    want, mag = exact(x, qt)
     assert got.dtype == torch.float32
-    assert ((got.double() - want).abs() <= 2 ** -7 * mag).all()  # bf16 inputs: 2 roundings of 2^-9
-
-
-def test_gemm_dtype_follows_the_cpu():
-    assert kl.gemm_dtype() == (torch.bfloat16 if kl.cpu_has_native_bf16() else torch.float32)
+    assert ((got.double() - want).abs() <= GEMM_BOUND[gemm](k) * mag + 1e-30).all()
 
 
 def test_bias_and_leading_dims(native_module):

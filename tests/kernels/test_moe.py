@@ -5,6 +5,8 @@ float64, so the only difference left is the kernel's float32 arithmetic.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T, quants as gq
@@ -139,3 +141,24 @@ def test_unknown_activation_is_refused():
     ffn = next(iter(make_experts(torch.Generator().manual_seed(5), ACT_SILU, biases=False).values()))
     with pytest.raises(ValueError, match="activation"):
         ExpertFFN(ffn.gate, ffn.up, ffn.down, activation="gelu")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 9, NUM_TOKENS])
+def test_float32_does_not_depend_on_the_thread_count(num_tokens):
+    """The exact path gives the same bits in a 1-thread expert service as in a 2-thread process
+    (MKL picks its float32 kernel by thread count on some CPUs unless made reproducible), for
+    any thread count up to the cores (oversubscribed counts are not covered)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = make_experts(gen, ACT_SILU, biases=False)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, TOP_K, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in range(1, min(4, os.cpu_count() or 1) + 1):
+            torch.set_num_threads(n)
+            outs.append(moe_forward(hidden, ids, weights, experts))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

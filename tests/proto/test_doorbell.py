@@ -1,4 +1,4 @@
-"""proto/doorbell.py: the fast path's slot layout and addresses, the same on both sides."""
+"""proto/doorbell.py: the fast path's slot layout, addresses, proof and announcements, the same on both sides."""
 import pytest
 import torch
 
@@ -22,3 +22,19 @@ def test_headers_are_fixed_size_and_addresses_abstract():
     assert (doorbell.HELLO.size, doorbell.REQUEST.size, doorbell.REPLY.size) == (8, 32, 40)
     assert doorbell.socket_address("@splitmoe-experts-1-ab") == "\0splitmoe-experts-1-ab"
     assert doorbell.socket_address("/run/experts.sock") == "/run/experts.sock"
+
+
+def test_the_proof_binds_the_secret_to_the_challenge_and_reveals_neither():
+    challenge, other = bytes(range(32)), bytes(32)
+    mine = doorbell.proof("the-cluster-secret-0123456789", challenge)
+    assert len(mine) == doorbell.PROOF.size - 4 and b"cluster-secret" not in mine
+    assert mine == doorbell.proof("the-cluster-secret-0123456789", challenge)  # the service recomputes it
+    assert mine != doorbell.proof("the-cluster-secret-0123456789", other)      # no replay on another challenge
+    assert mine != doorbell.proof("another-cluster-secret-012345", challenge)
+
+
+def test_a_region_is_announced_with_its_size():
+    announced = doorbell.announcement("splitmoe-12-ab", 1 << 20)
+    assert doorbell.parse_announcement(announced) == ("splitmoe-12-ab", 1 << 20)
+    with pytest.raises(ValueError, match="without a name"):
+        doorbell.parse_announcement(announced[:doorbell.REGION_SIZE.size])

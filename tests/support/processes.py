@@ -1,4 +1,8 @@
-"""Start our services as real processes on loopback ports, and wait until they are healthy."""
+"""Start our services as real processes on loopback ports, and wait until they are healthy.
+
+Every service a test starts holds the same cluster secret (`CLUSTER`), handed over in the
+environment as `splitmoe up` does; tests call them through `cluster_channel`, which presents it.
+"""
 from __future__ import annotations
 
 import os
@@ -8,11 +12,42 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.settings import CLUSTER_TOKEN_ENV
+
 REPO = Path(__file__).resolve().parents[2]
+CLUSTER = ClusterSecurity(token="tests-cluster-secret-0123456789")
+
+
+def cluster_channel(address: str) -> grpc.Channel:
+    """A channel to one of our services that presents the tests' cluster secret."""
+    return CLUSTER.channel(address)
+
+
+def stranger_channel(address: str, secret: str | None) -> grpc.Channel:
+    """A channel without the tests' cluster secret: none (`secret` None) or another one."""
+    return grpc.insecure_channel(address) if secret is None else ClusterSecurity(token=secret).channel(address)
+
+
+def assert_refused_but_probes_pass(channel: grpc.Channel, calls: dict[str, Callable[[], object]]) -> None:
+    """Every call (by name) fails UNAUTHENTICATED, and so does health Watch; health Check, which
+    probes use without a secret, answers SERVING."""
+    health = health_pb2_grpc.HealthStub(channel)
+    calls = {**calls, "Health.Watch": lambda: next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))}
+    for name, call in calls.items():
+        try:
+            call()
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED, f"{name}: {e.code()} {e.details()}"
+            assert "cluster secret" in e.details(), name
+        else:
+            raise AssertionError(f"{name} answered a caller without the cluster secret")
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
 
 def free_port() -> int:
@@ -21,9 +56,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None,
+                      security: ClusterSecurity | None = None) -> None:
+    """Until health Check says SERVING: asked without the secret, as probes do (a TLS service
+    needs `security`'s CA)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (security or ClusterSecurity()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -39,7 +77,7 @@ def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Po
 
 def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     log = open(log_path, "wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", CLUSTER_TOKEN_ENV: CLUSTER.token}
     return subprocess.Popen([sys.executable, "-m", "splitmoe", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env)
 

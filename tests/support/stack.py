@@ -23,7 +23,11 @@ class Stack:
 
 @contextmanager
 def running_stack(model: Path, log_dir: Path, *attention_args: str):
-    """Each expert service hosts half of the experts, so neither is a replica of the other."""
+    """Each expert service hosts half of the experts, so neither is a replica of the other.
+
+    The attention service runs the exact float32 path unless `attention_args` says otherwise: the
+    stack tests compare its answers with single-process `generate` and `logits` token for token.
+    """
     num_experts = int(GGUFFile(model).arch_require("expert_count"))
     half = num_experts // 2
     experts = ExpertServices(log_dir)
@@ -31,7 +35,7 @@ def running_stack(model: Path, log_dir: Path, *attention_args: str):
     experts.start("high", model, "--experts", f"{half}-{num_experts - 1}")
     attention_port, gateway_port = free_port(), free_port()
     attention = spawn(["serve-attention", str(model), "--port", str(attention_port), "--expert-services",
-                       f"{experts.address('low')},{experts.address('high')}", *attention_args],
+                       f"{experts.address('low')},{experts.address('high')}", "--dtype", "float32", *attention_args],
                       log_dir / "attention.log")
     gateway = spawn(["serve-gateway", "--attention", f"127.0.0.1:{attention_port}", "--port", str(gateway_port)],
                     log_dir / "gateway.log")

@@ -1,0 +1,184 @@
+"""Where a decode token's time goes: every op of the attention side and the experts, per token.
+
+    python -m bench.decode_profile --model q3_6l.gguf --threads 2 [--tokens 64] [--context 64]
+    python -m bench.decode_profile --model q3_6l.gguf --expert-services 127.0.0.1:50061,...
+
+Runs the model's own decode steps (one stream, greedy) with the functions that make up a step
+wrapped by timers, after a prompt of `--context` tokens, and prints each one's microseconds per
+token and per layer, and the part of the step no wrapped function accounts for (Python between
+them, allocation). The timers cost about a microsecond a call; the unwrapped step time is
+measured first and printed beside the wrapped one. With `--expert-services` the experts are the
+real services (the time under "experts" is then the hop: post, wait, wake-up and their compute).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+
+class Timers:
+    """Wraps callables in modules or classes so each call's wall time adds to a label."""
+
+    def __init__(self) -> None:
+        self.total_s: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[object, str, object]] = []
+        self._depth = 0
+
+    def wrap(self, owner: object, name: str, label: str | None = None, label_of=None) -> None:
+        """Time owner.name under `label`, or under label_of(*args) when that gives one."""
+        real = getattr(owner, name)
+        timers = self
+
+        def timed(*args, **kwargs):
+            if timers._depth:  # inside another timed call: counted there
+                return real(*args, **kwargs)
+            key = (label_of(*args) if label_of else None) or label or name
+            timers._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                timers.total_s[key] += time.perf_counter() - t0
+                timers.calls[key] += 1
+                timers._depth -= 1
+
+        self._undo.append((owner, name, real))
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+        self._undo.clear()
+
+    def reset(self) -> None:
+        self.total_s.clear()
+        self.calls.clear()
+
+
+def instrument(runner, timers: Timers) -> None:
+    """Wrap the pieces of a decode step of `runner` (a ModelRunner)."""
+    from attention_service import attention, mla, transformer
+    from attention_service.kv_cache import KVCache
+    from attention_service.layers import Rope
+    from kernels.linear import QuantEmbedding
+
+    w = runner.model.weights
+    names = {id(w.output): "lm_head"}
+    for layer in w.layers:
+        a = layer.attn
+        for attr, label in (("q", "attn q/k/v"), ("k", "attn q/k/v"), ("v", "attn q/k/v"), ("out", "attn out"),
+                            ("q_a", "attn q/k/v"), ("kv_a", "attn q/k/v")):
+            if getattr(a, attr, None) is not None:
+                names[id(getattr(a, attr))] = label
+        if layer.moe is not None:
+            names[id(layer.moe.router)] = "router linear"
+            if layer.moe.shared is not None:
+                for m in (layer.moe.shared.gate, layer.moe.shared.up, layer.moe.shared.down):
+                    names[id(m)] = "shared expert"
+
+    def linear_label(x, weight, *rest):
+        return names.get(id(weight), "other linear")
+
+    for module in (attention, mla, transformer):
+        timers.wrap(module, "linear", label_of=linear_label)
+        timers.wrap(module, "rms_norm", "rms_norm")
+    timers.wrap(transformer.MoETransformer, "_shared", "shared expert")
+    timers.wrap(attention, "decode_attention", "attention (native)")
+    timers.wrap(mla, "decode_attention", "attention (native)")
+    timers.wrap(attention, "grouped_attention", "attention (torch)")
+    timers.wrap(mla, "latent_attention", "attention (torch)")
+    timers.wrap(Rope, "__call__", "rope")
+    timers.wrap(KVCache, "write", "kv write")
+    timers.wrap(transformer, "route", "routing (softmax, top-k)")
+    timers.wrap(runner.model.experts, "forward", "experts")
+    timers.wrap(QuantEmbedding, "__getitem__", "embedding")
+
+
+def decode_tokens(runner, seq, n: int, sample) -> float:
+    """Seconds for n decode steps of `seq` (greedy)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = runner.step([seq], [1])
+        seq.token_ids.append(sample(logits[0]))
+    return time.perf_counter() - t0
+
+
+@contextmanager
+def loaded(args):
+    from attention_service.model_runner import ModelRunner, RunnerOptions
+
+    experts = None
+    if args.expert_services:
+        from attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
+        from modelfile.gguf_file import GGUFFile
+
+        settings = RemoteExpertsSettings(addresses=tuple(args.expert_services.split(",")), transport=args.transport)
+        experts = RemoteExperts(GGUFFile(args.model), settings)
+    runner = ModelRunner.from_gguf(args.model, RunnerOptions(dtype=getattr(torch, args.dtype), device=torch.device("cpu"),
+                                                             kv_cache_tokens=args.context + 2 * args.tokens + 64),
+                                   experts=experts)
+    try:
+        yield runner
+    finally:
+        if experts is not None:
+            experts.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="GGUF file")
+    p.add_argument("--threads", type=int, default=0, help="torch and native threads (0: torch's default)")
+    p.add_argument("--tokens", type=int, default=64, help="decode steps timed")
+    p.add_argument("--context", type=int, default=64, help="prompt tokens before the timed steps")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the attention side's path")
+    p.add_argument("--expert-services", default="", help="host:port,... (default: experts in-process)")
+    p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"], help="with --expert-services")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from attention_service import sampling
+    from attention_service.model_runner import Sequence
+    from kernels.expert_kernels import sync_native_threads
+
+    def sample(row: torch.Tensor) -> int:
+        return sampling._argmax(row)  # looked up at each call: the timers wrap it
+
+    sync_native_threads()
+    with loaded(args) as runner, torch.inference_mode():
+        cfg = runner.cfg
+        prompt = [(7 * i + 3) % cfg.vocab_size for i in range(args.context)]
+        seq = Sequence(0, list(prompt))
+        seq.token_ids.append(sample(runner.step([seq])[0]))  # the prefill
+        decode_tokens(runner, seq, 8, sample)  # warm-up
+        plain_s = decode_tokens(runner, seq, args.tokens, sample)
+        timers = Timers()
+        instrument(runner, timers)
+        timers.wrap(sampling, "_argmax", "sampling (argmax)")
+        decode_tokens(runner, seq, 4, sample)
+        timers.reset()
+        wrapped_s = decode_tokens(runner, seq, args.tokens, sample)
+        timers.restore()
+    n = args.tokens
+    per_token_us = {k: v / n * 1e6 for k, v in timers.total_s.items()}
+    step_us = wrapped_s / n * 1e6
+    accounted = sum(per_token_us.values())
+    print(f"{args.model}: {cfg.arch}, {cfg.num_layers} layers, {args.dtype}, threads {torch.get_num_threads()}, "
+          f"context {args.context}..{args.context + 12 + 2 * n}, experts "
+          f"{'over ' + args.expert_services if args.expert_services else 'in-process'}")
+    print(f"decode step: {plain_s / n * 1e3:.2f} ms ({n / plain_s:.1f} tok/s) unwrapped, {step_us / 1e3:.2f} ms wrapped")
+    print(f"{'what':32s} {'us/token':>9s} {'us/layer':>9s} {'calls/token':>11s} {'share':>6s}")
+    rows = sorted(per_token_us.items(), key=lambda kv: -kv[1]) + [("(unaccounted: Python between ops)", step_us - accounted)]
+    for label, us in rows:
+        calls = timers.calls.get(label, 0) / n
+        print(f"{label:32s} {us:9.1f} {us / cfg.num_layers:9.1f} {calls:11.1f} {us / step_us:6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

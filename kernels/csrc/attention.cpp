@@ -1,0 +1,165 @@
+// Decode attention over the paged KV cache: the C API, the work split and the merge; the per-unit
+// arithmetic is attention.inc, compiled here for scalar code and in attention_avx2.cpp /
+// attention_avx512.cpp for those ISAs.
+//
+// Every query row t of a sequence sees context indices [lo, hi): hi = its own index + 1 (causal),
+// lo = hi - window when a sliding window applies. Units are (row, kv head) pairs; when there are
+// fewer than a few per thread (one sequence, few kv heads, MLA's one latent head), each context is
+// cut into runs of at least kMinRun keys, computed apart and merged here (flash-decoding).
+// Softmax and accumulation are float32 throughout; sinks (gpt-oss) join the merge's denominator.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "smk.h"
+
+namespace smk {
+namespace scalar_attn {
+
+struct V {
+    static constexpr int W = 1;
+    using vf = float;
+    static vf zero() { return 0.f; }
+    static vf set1(float x) { return x; }
+    static vf load(const float* p) { return *p; }
+    static vf load_bf16(const uint16_t* p) {
+        uint32_t bits = uint32_t(*p) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return f;
+    }
+    static void store(float* p, vf v) { *p = v; }
+    static vf add(vf a, vf b) { return a + b; }
+    static vf sub(vf a, vf b) { return a - b; }
+    static vf fmadd(vf a, vf b, vf c) { return a * b + c; }
+    static vf max(vf a, vf b) { return a > b ? a : b; }
+    static float hsum(vf v) { return v; }
+    static float hmax(vf v) { return v; }
+    static vf exp(vf x) { return std::exp(x); }
+    static float exp1(float x) { return std::exp(x); }
+};
+
+#include "attention.inc"
+
+void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
+
+}  // namespace scalar_attn
+
+void init_attention_scalar(Kernels& k) { k.attn_unit = scalar_attn::unit; }
+
+}  // namespace smk
+
+using namespace smk;
+
+namespace {
+
+constexpr int kMinRun = 256;  // keys per run of a split context: below this the merge costs more
+
+struct AttnJob {
+    const AttnUnitFn fn;
+    std::vector<AttnUnit>& units;
+    std::atomic<int> next{0};
+};
+
+void attn_job(void* p, int) {
+    auto* j = static_cast<AttnJob*>(p);
+    for (;;) {
+        const int i = j->next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= int(j->units.size())) return;
+        j->fn(j->units[i]);
+    }
+}
+
+}  // namespace
+
+// out[T, H, Dv] = softmax(scale * q k^T (+ sink)) v per query row over its visible context.
+//   seqs[4 * s .. 4 * s + 3] = first query row, query rows, offset of its slots in `slots`, context length
+//   q_index[t]: the context index of row t's own token (it sees indices <= q_index[t])
+//   window > 0: row t sees only indices > q_index[t] - window; sinks: [H] or null
+// kv_type: 0 (float32) or 30 (bfloat16). Returns 0, or a negative error code.
+SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
+                          const void* k, int64_t k_row_stride, int64_t k_head_stride,
+                          const void* v, int64_t v_row_stride, int64_t v_head_stride, int kv_type,
+                          const int64_t* slots, const int64_t* seqs, int n_seqs, const int64_t* q_index,
+                          float scale, int window, const float* sinks, float* out) {
+    if (T < 0 || H <= 0 || G <= 0 || H % G || Dk <= 0 || Dv <= 0 || n_seqs < 0) return -2;
+    if (kv_type != T_F32 && kv_type != T_BF16) return -1;
+    AttnArgs a;
+    a.q = q; a.T = T; a.H = H; a.G = G; a.R = H / G; a.Dk = Dk; a.Dv = Dv;
+    a.k = k; a.k_row_stride = k_row_stride; a.k_head_stride = k_head_stride;
+    a.v = v; a.v_row_stride = v_row_stride; a.v_head_stride = v_head_stride;
+    a.elem_bytes = kv_type == T_F32 ? 4 : 2;
+    a.slots = slots;
+    a.scale = scale;
+    const int R = a.R;
+    // (row, head group) ranges, then how many runs each is cut into
+    struct Range { int t, g; int64_t slot_base; int lo, hi; };
+    std::vector<Range> ranges;
+    int64_t keys = 0;
+    for (int s = 0; s < n_seqs; ++s) {
+        const int64_t t0 = seqs[4 * s], nt = seqs[4 * s + 1], base = seqs[4 * s + 2], ctx = seqs[4 * s + 3];
+        if (t0 < 0 || nt < 0 || t0 + nt > T || ctx < 0) return -2;
+        for (int64_t t = t0; t < t0 + nt; ++t) {
+            const int64_t hi = std::min<int64_t>(q_index[t] + 1, ctx);
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, q_index[t] - window + 1) : 0;
+            for (int g = 0; g < G; ++g) ranges.push_back({int(t), g, base, int(lo), int(std::max(lo, hi))});
+            keys += std::max<int64_t>(0, hi - lo) * G;
+        }
+    }
+    const int nthreads = num_threads();
+    const int wanted = 4 * nthreads;
+    int pieces = 1;
+    if (!ranges.empty() && int(ranges.size()) < wanted) pieces = (wanted + int(ranges.size()) - 1) / int(ranges.size());
+    std::vector<AttnUnit> units;
+    std::vector<int> first_unit(ranges.size() + 1, 0);
+    units.reserve(ranges.size() * size_t(pieces));
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        const Range& r = ranges[i];
+        first_unit[i] = int(units.size());
+        const int n = r.hi - r.lo;
+        const int run = std::max(kMinRun, (n + pieces - 1) / pieces);
+        for (int c0 = r.lo; c0 < r.hi; c0 += run) {
+            AttnUnit u;
+            u.args = &a; u.q = q + (size_t(r.t) * H + size_t(r.g) * R) * Dk; u.g = r.g;
+            u.slot_base = r.slot_base; u.c0 = c0; u.c1 = std::min(r.hi, c0 + run);
+            units.push_back(u);
+        }
+    }
+    first_unit[ranges.size()] = int(units.size());
+    std::vector<float> part(units.size() * size_t(R) * (2 + size_t(Dv)));
+    for (size_t i = 0; i < units.size(); ++i) {
+        float* p = part.data() + i * size_t(R) * (2 + size_t(Dv));
+        units[i].max = p; units[i].sum = p + R; units[i].acc = p + 2 * R;
+    }
+    const Kernels& K = kernels();
+    AttnJob job{K.attn_unit, units};
+    if (nthreads == 1 || units.size() <= 1 || keys * int64_t(Dk + Dv) * R < (int64_t(1) << 15)) {
+        attn_job(&job, 0);
+    } else {
+        parallel(attn_job, &job);
+    }
+    // merge each range's runs: out = sum_i acc_i * e^(max_i - M) / (sum_i sum_i * e^(max_i - M) + e^(sink - M))
+    for (size_t i = 0; i < ranges.size(); ++i) {
+        const Range& rg = ranges[i];
+        for (int r = 0; r < R; ++r) {
+            const int h = rg.g * R + r;
+            float* o = out + (size_t(rg.t) * H + size_t(h)) * Dv;
+            float M = sinks ? sinks[h] : -INFINITY;
+            for (int u = first_unit[i]; u < first_unit[i + 1]; ++u) M = std::max(M, units[u].max[r]);
+            float denom = sinks ? std::exp(sinks[h] - M) : 0.f;
+            std::fill(o, o + Dv, 0.f);
+            if (M == -INFINITY) continue;  // nothing visible and no sink: zeros
+            for (int u = first_unit[i]; u < first_unit[i + 1]; ++u) {
+                const float f = std::exp(units[u].max[r] - M);
+                denom += units[u].sum[r] * f;
+                const float* acc = units[u].acc + size_t(r) * Dv;
+                for (int d = 0; d < Dv; ++d) o[d] += acc[d] * f;
+            }
+            const float inv = 1.f / denom;
+            for (int d = 0; d < Dv; ++d) o[d] *= inv;
+        }
+    }
+    return 0;
+}

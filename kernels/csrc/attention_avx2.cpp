@@ -1,0 +1,82 @@
+// Decode attention (attention.inc) for AVX2 + FMA (Haswell, Zen 1 and later): 8 floats a register.
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "smk.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace smk {
+namespace avx2_attn {
+
+struct V {
+    static constexpr int W = 8;
+    using vf = __m256;
+    static vf zero() { return _mm256_setzero_ps(); }
+    static vf set1(float x) { return _mm256_set1_ps(x); }
+    static vf load(const float* p) { return _mm256_loadu_ps(p); }
+    static vf load_bf16(const uint16_t* p) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    static void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+    static vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+    static vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+    static vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+    static vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+    static float hsum(vf v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static float hmax(vf v) {
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    // As attention_avx512.cpp's exp, 8 lanes.
+    static vf exp(vf x) {
+        x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+        const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+        r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+        vf p = _mm256_set1_ps(1.9875691500e-4f);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+        p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
+    static float exp1(float x) { return std::exp(x); }
+};
+
+#include "attention.inc"
+
+void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
+
+}  // namespace avx2_attn
+}  // namespace smk
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+void smk::init_attention_avx2(Kernels& k) { k.attn_unit = avx2_attn::unit; }
+
+#endif  // x86

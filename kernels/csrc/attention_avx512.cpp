@@ -1,0 +1,74 @@
+// Decode attention (attention.inc) for AVX-512 (Skylake-SP, Zen 4 and later): 16 floats a register.
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "smk.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+
+namespace smk {
+namespace avx512_attn {
+
+struct V {
+    static constexpr int W = 16;
+    using vf = __m512;
+    static vf zero() { return _mm512_setzero_ps(); }
+    static vf set1(float x) { return _mm512_set1_ps(x); }
+    static vf load(const float* p) { return _mm512_loadu_ps(p); }
+    static vf load_bf16(const uint16_t* p) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+    static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+    static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+    static vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+    static vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+    static float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+    static float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+    // e^x for x <= 88 (softmax only feeds x <= 0): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes'
+    // expf polynomial, 2^n through the exponent bits. Below -87.3 it returns e^-87.3 (~1e-38),
+    // nothing next to the row maximum's 1.
+    static vf exp(vf x) {
+        x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+        const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+        r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+        vf p = _mm512_set1_ps(1.9875691500e-4f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+        return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    }
+    static float exp1(float x) { return std::exp(x); }
+};
+
+#include "attention.inc"
+
+void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
+
+}  // namespace avx512_attn
+}  // namespace smk
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+void smk::init_attention_avx512(Kernels& k) { k.attn_unit = avx512_attn::unit; }
+
+#endif  // x86

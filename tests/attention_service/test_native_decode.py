@@ -1,0 +1,80 @@
+"""The native decode attention inside real models: every call of a bfloat16 decode is checked
+against the torch implementation (`grouped_attention`, `latent_attention`) on the same queries and
+the same cache, so the pools, strides, slots, windows and sinks it is handed are the right ones.
+
+Whole-model logits cannot show this sharply: each quantized linear rounds its input to int8, which
+hides float32-level differences or turns one into a visible flip of a rounding step.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import attention_service.attention as attention_module
+import attention_service.mla as mla_module
+from attention_service.attention import grouped_attention
+from attention_service.mla import latent_attention
+from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from kernels import native
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
+
+FIXTURES = ["gptoss/gptoss-q8_0.gguf",  # sinks, a 32-token sliding window on even layers
+            "deepseek2/deepseek2-q8_0.gguf", "deepseek3/deepseek3-q4_k_m.gguf",  # MLA
+            "mixtral/mixtral-q8_0.gguf", "qwen2moe/qwen2moe-q8_0.gguf"]
+
+
+def torch_reference(ctx, q, k, v, scale, window_tokens=0, sinks=None, value_dims=None):
+    outs = []
+    for start, n, offset, length in ctx.seqs.tolist():
+        slots = ctx.slots[offset:offset + length]
+        rows, positions = q[start:start + n].float(), ctx.q_index[start:start + n]
+        if v is None:
+            outs.append(latent_attention(rows, k[slots], positions, scale, value_dims).float())
+        else:
+            outs.append(grouped_attention(rows, k[:, slots], v[:, slots], positions, scale,
+                                          window_tokens=window_tokens, sinks=sinks).float())
+    return torch.cat(outs)
+
+
+def checked_decode(monkeypatch) -> list[int]:
+    """Wrap the native call in both attention modules; returns a list that counts the checked calls."""
+    checked = []
+    real = attention_module.decode_attention
+
+    def both(ctx, q, k, v, scale, **kw):
+        got = real(ctx, q, k, v, scale, **kw)
+        want = torch_reference(ctx, q, k, v, scale, **kw)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
+        checked.append(1)
+        return got
+
+    monkeypatch.setattr(attention_module, "decode_attention", both)
+    monkeypatch.setattr(mla_module, "decode_attention", both)
+    return checked
+
+
+def decode(path, ids, batch: int = 2) -> None:
+    r = ModelRunner.from_gguf(path, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                  kv_cache_tokens=512, kv_block_tokens=4))
+    seqs = [Sequence(i, ids[i:]) for i in range(batch)]  # different lengths, interleaved blocks
+    r.step(seqs, [8] * batch)  # a prompt chunk: the torch path
+    for _ in range(len(ids) - batch - 8):
+        r.step(seqs, [1] * batch)
+
+
+def test_demo_model(demo_gguf, monkeypatch):
+    checked = checked_decode(monkeypatch)
+    decode(demo_gguf, [(i * 37 + 11) % 200 for i in range(30)])
+    assert checked
+
+
+@pytest.mark.parametrize("model", FIXTURES)
+def test_llama_cpp_fixtures(fixtures_dir, model, monkeypatch):
+    ids = json.loads((fixtures_dir / "prompts.json").read_text())["prompts"][1]["ids"]
+    assert len(ids) > 40  # past gpt-oss's 32-token window
+    checked = checked_decode(monkeypatch)
+    decode(fixtures_dir / model, ids)
+    assert checked

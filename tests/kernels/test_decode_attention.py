@@ -1,0 +1,151 @@
+"""kernels.decode_attention (native decode attention) against float64, on every ISA this CPU runs.
+
+Shapes of the served families: grouped-query ratios 1 (OLMoE, Qwen2-MoE), 4 (Mixtral), 8 (Qwen3,
+gpt-oss), head dims 64 and 128 and an odd 80 (SIMD tails), MLA's one latent head (576 keys, 512
+values), sliding windows, sinks; one query token and several, contexts from 1 token to past the
+length at which a context is split across threads; scattered slots; float32 and bfloat16 caches.
+The reference reads the same cache values (bfloat16 converts exactly), so only float32 rounding
+of the kernel remains.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.decode_attention import AttentionContext, decode_attention
+from tests.kernels.test_native import ISAS
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    native._set_isa(request.param)
+    yield request.param
+    native._set_isa(native._best_isa())
+
+
+def reference(q, k_pool, v_pool, rows, scale, window, sinks, value_dims):
+    """Row by row in float64: softmax over the visible keys (and the sink) of q·k, times v."""
+    T, H, _ = q.shape
+    mla = v_pool is None
+    k_pool = k_pool[None] if mla else k_pool  # [G, slots, D]
+    R = H // k_pool.shape[0]
+    out = torch.zeros(T, H, value_dims if mla else v_pool.shape[-1], dtype=torch.float64)
+    for start, n, slots in rows:
+        C = slots.numel()
+        for j in range(n):
+            t, own = start + j, C - n + j
+            vis = slots[(max(0, own - window + 1) if window else 0):own + 1]
+            keys = k_pool[:, vis].double().repeat_interleave(R, 0)  # [H, n, D]
+            vals = keys[..., :value_dims] if mla else v_pool[:, vis].double().repeat_interleave(R, 0)
+            s = torch.einsum("hnd,hd->hn", keys, q[t].double()) * scale
+            if sinks is not None:
+                s = torch.cat((s, sinks.double()[:, None]), 1)
+            p = torch.softmax(s, 1)[:, : len(vis)]
+            out[t] = torch.einsum("hn,hnd->hd", p, vals)
+    return out
+
+
+def make_case(gen, H, G, Dk, Dv, lengths, n_new, num_slots, dtype, scatter, mla=False):
+    slots_all = torch.randperm(num_slots, generator=gen) if scatter else torch.arange(num_slots)
+    rows, offset, start = [], 0, 0
+    for C in lengths:
+        n = min(n_new, C)
+        rows.append((start, n, slots_all[offset:offset + C].clone()))
+        offset += C
+        start += n
+    T = start
+    q = torch.randn(T, H, Dk, generator=gen)
+    if mla:
+        k_pool, v_pool = torch.randn(num_slots, Dk, generator=gen).to(dtype), None
+    else:
+        k_pool = torch.randn(G, num_slots, Dk, generator=gen).to(dtype)
+        v_pool = torch.randn(G, num_slots, Dv, generator=gen).to(dtype)
+    return q, k_pool, v_pool, rows
+
+
+CASES = [
+    # H, G, Dk, Dv, context lengths, new tokens per sequence, window, sinks
+    (32, 4, 128, 128, [1], 1, 0, False),  # Qwen3: the first token
+    (32, 4, 128, 128, [77], 1, 0, False),  # Qwen3 decode
+    (32, 4, 128, 128, [3000], 1, 0, False),  # long: the context is split across threads
+    (16, 16, 128, 128, [40, 9, 1], 1, 0, False),  # MHA (ratio 1), three sequences
+    (32, 8, 128, 128, [50, 200], 2, 0, False),  # Mixtral ratio 4, two new tokens each
+    (64, 8, 64, 64, [130], 1, 128, True),  # gpt-oss: sliding window 128 with sinks
+    (64, 8, 64, 64, [100, 700], 3, 0, True),  # gpt-oss full layer with sinks, several rows
+    (8, 2, 80, 48, [33, 600], 1, 17, False),  # odd head dims (SIMD tails), short window
+]
+
+
+@functools.lru_cache(maxsize=None)  # one reference per case, shared by the ISAs
+def gqa_case(dtype, H, G, Dk, Dv, lengths, n_new, window, sinks):
+    gen = torch.Generator().manual_seed(H * 1000 + sum(lengths) + n_new)
+    q, k_pool, v_pool, rows = make_case(gen, H, G, Dk, Dv, lengths, n_new, sum(lengths) + 16, dtype, scatter=True)
+    s = torch.randn(H, generator=gen) * 2 if sinks else None
+    return q, k_pool, v_pool, rows, s, reference(q, k_pool, v_pool, rows, 0.088, window, s, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("H,G,Dk,Dv,lengths,n_new,window,sinks", CASES)
+def test_grouped_query_attention_matches_float64(isa, dtype, H, G, Dk, Dv, lengths, n_new, window, sinks):
+    q, k_pool, v_pool, rows, s, want = gqa_case(dtype, H, G, Dk, Dv, tuple(lengths), n_new, window, sinks)
+    ctx = AttentionContext.build(rows)
+    got = decode_attention(ctx, q, k_pool, v_pool, 0.088, window_tokens=window, sinks=s)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+@functools.lru_cache(maxsize=None)
+def mla_case(lengths, H=16, L=512, R=64):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    q, k_pool, _, rows = make_case(gen, H, 1, L + R, L, lengths, 1, sum(lengths) + 5, torch.bfloat16,
+                                   scatter=False, mla=True)
+    return q, k_pool, rows, reference(q, k_pool, None, rows, 0.05, 0, None, L)
+
+
+@pytest.mark.parametrize("lengths", [(1,), (60,), (2500, 3)], ids=["1", "60", "2500+3"])
+def test_mla_latent_attention_matches_float64(isa, lengths):
+    """DeepSeek's absorbed MLA: one shared latent head, keys [L+R], values its first L dims."""
+    q, k_pool, rows, want = mla_case(lengths)
+    H, L = 16, 512
+    ctx = AttentionContext.build(rows)
+    got = decode_attention(ctx, q, k_pool, None, 0.05, value_dims=L)
+    assert got.shape == (len(lengths), H, L)
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+def test_isas_agree_closely():
+    gen = torch.Generator().manual_seed(5)
+    q, k_pool, v_pool, rows = make_case(gen, 32, 4, 128, 128, [300, 5], 1, 320, torch.bfloat16, scatter=True)
+    ctx = AttentionContext.build(rows)
+    results = {}
+    for name in ISAS:
+        native._set_isa(name)
+        results[name] = decode_attention(ctx, q, k_pool, v_pool, 0.1)
+    native._set_isa(native._best_isa())
+    for name, r in results.items():
+        assert (r - results["scalar"]).abs().max() <= 1e-5 * results["scalar"].abs().max(), name
+
+
+def test_bad_calls_are_refused_not_read_out_of_bounds():
+    gen = torch.Generator().manual_seed(6)
+    q, k_pool, v_pool, rows = make_case(gen, 8, 2, 16, 16, [10], 1, 10, torch.float32, scatter=False)
+    ctx = AttentionContext.build(rows)
+    with pytest.raises(ValueError, match="outside a pool"):
+        decode_attention(ctx, q, k_pool[:, :5], v_pool[:, :5], 0.1)
+    with pytest.raises(ValueError, match="differ"):
+        decode_attention(ctx, q, k_pool, v_pool.bfloat16(), 0.1)
+    with pytest.raises(ValueError, match="q must be"):
+        decode_attention(ctx, q[:, :, :8].repeat(2, 1, 1), k_pool, v_pool, 0.1)
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_attention(ctx, torch.randn(1, 6, 16), k_pool[:1].expand(4, -1, -1), v_pool[:1].expand(4, -1, -1), 0.1)
+    with pytest.raises(ValueError, match="sinks"):
+        decode_attention(ctx, q, k_pool, v_pool, 0.1, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="query rows"):
+        AttentionContext.build([(0, 3, torch.arange(2))])
+    with pytest.raises(ValueError, match="negative"):
+        AttentionContext.build([(0, 1, torch.tensor([-1]))])

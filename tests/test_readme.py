@@ -1,0 +1,68 @@
+"""The README as a new user reads it: its set-up commands and its examples work as printed."""
+import re
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from splitmoe.cli import build_parser
+from splitmoe.commands.serve_attention import SERVING_OPTIONS
+from tests.support.processes import REPO
+
+README = (REPO / "README.md").read_text()
+BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+
+
+def commands(block: str) -> list[list[str]]:
+    """The block's commands, continuation lines joined, comments and blank lines dropped."""
+    text = re.sub(r"\\\n\s*", " ", block)
+    return [shlex.split(line) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_exactly_two_setup_commands_on_top_and_ci_runs_the_second():
+    first = commands(BLOCKS[0])
+    assert [" ".join(c) for c in first] == [
+        "pip install torch==2.13.0 -e . && splitmoe up",
+        "pip install torch==2.13.0 -e .[test] && python -m pytest -q",  # shlex took the quotes off
+    ]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "pip install --quiet torch==2.13.0 -e '.[test]'" in ci and "python -m pytest -q" in ci
+
+
+def test_every_splitmoe_command_in_the_readme_parses():
+    parser = build_parser()
+    for block in BLOCKS:
+        for argv in commands(block):
+            if argv[:1] == ["splitmoe"]:
+                try:
+                    parser.parse_args(argv[1:])
+                except SystemExit:
+                    pytest.fail(f"README: `{' '.join(argv)}` does not parse")
+
+
+def test_the_attention_flag_table_names_every_serving_option():
+    for flag, _ in SERVING_OPTIONS:
+        assert f"`{flag}" in README, f"README's attention flag table lacks {flag}"
+
+
+def test_the_single_process_examples_run_on_the_demo_model(demo_gguf, tmp_path):
+    block = next(b for b in BLOCKS if "splitmoe logits" in b)
+    ran = []
+    for argv in commands(block):
+        argv = [str(demo_gguf) if a == "MODEL.gguf" else a for a in argv]
+        done = subprocess.run([sys.executable, "-m", "splitmoe", *argv[1:]], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(argv)}: {done.stderr[-2000:]}"
+        ran.append(argv[1])
+    assert ran == ["logits", "generate"]
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.shape[0] == 3 and np.isfinite(logits).all()
+
+
+def test_the_curl_example_names_the_demo_models_served_name(tmp_path):
+    from splitmoe.demo_model import demo_model_path
+
+    model = re.search(r'"model": "([^"]+)"', BLOCKS[1]).group(1)
+    assert model == demo_model_path(tmp_path).stem  # what `up` serves it as
