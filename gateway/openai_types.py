@@ -163,7 +163,7 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to generate differently
     # Beyond OpenAI, as vLLM and llama-server accept them:
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)          # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
