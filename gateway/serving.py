@@ -331,11 +331,11 @@ class ChatHandler(Handler):
 
     async def create(self, request: ChatCompletionRequest, request_id: str
                      ) -> ErrorResponse | ChatCompletionResponse | AsyncIterator[str]:
-        timer = self.metrics.request_timer()
         try:
             model = await self.model.resolve(request.model)
             if isinstance(model, ErrorResponse):
                 return model
+            timer = self.metrics.request_timer()
             self.admission.check(request.num_generations)
             streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
             states = [ChoiceState() for _ in streams]
@@ -409,11 +409,11 @@ class CompletionHandler(Handler):
 
     async def create(self, request: CompletionRequest, request_id: str
                      ) -> ErrorResponse | CompletionResponse | AsyncIterator[str]:
-        timer = self.metrics.request_timer()
         try:
             model = await self.model.resolve(request.model)
             if isinstance(model, ErrorResponse):
                 return model
+            timer = self.metrics.request_timer()
             self.admission.check(request.num_generations)
             echoes = await self._echoes(request, request_id)
             states = [ChoiceState() for _ in range(len(request.prompts()) * request.n)]
