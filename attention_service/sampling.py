@@ -5,6 +5,7 @@ default, so they do not depend on the sampling knobs.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
@@ -42,6 +44,8 @@ class SamplingOptions:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
 
     @property
     def greedy(self) -> bool:
@@ -56,17 +60,22 @@ class Sampled:
 
 
 class RequestSampler:
-    """One request's sampling state: its options, its seeded generator, its output counts."""
+    """One request's sampling state: its options, its seeded generator, the tokens it has seen."""
 
-    def __init__(self, options: SamplingOptions, vocab_size: int):
+    def __init__(self, options: SamplingOptions, vocab_size: int, prompt_ids: Sequence[int] = ()):
         self.options = options
         self._generator = None
         if options.seed is not None:
             self._generator = torch.Generator().manual_seed(options.seed)
-        # Output token counts, for the penalties only.
+        # Output token counts, for the presence and frequency penalties only.
         self._counts = None
         if options.presence_penalty or options.frequency_penalty:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32)
+        # Tokens of the prompt or the output so far, for the repetition penalty only.
+        self._seen = None
+        if options.repetition_penalty != 1.0:
+            self._seen = torch.zeros(vocab_size, dtype=torch.bool)
+            self._seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
 
     def __call__(self, logits: torch.Tensor) -> Sampled:
         """logits: float32 [vocab] on the CPU.
@@ -78,6 +87,8 @@ class RequestSampler:
         token = self._choose(self._penalize(logits))
         if self._counts is not None:
             self._counts[token] += 1
+        if self._seen is not None:
+            self._seen[token] = True
         if not (o.logprobs or o.top_logprobs):
             return Sampled(token, None, ())
         norm = torch.logsumexp(logits, dim=-1)
@@ -88,11 +99,16 @@ class RequestSampler:
         return Sampled(token, float(logits[token] - norm), top)
 
     def _penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's order and definitions: the repetition penalty (CTRL's) divides the positive logits and
+        multiplies the negative ones of every token in the prompt or the output; then OpenAI's
+        penalties subtract per token seen in the output."""
         o = self.options
-        if not (o.presence_penalty or o.frequency_penalty):
-            return logits
-        # OpenAI's definition: subtract per token seen in the output so far.
-        return logits - o.frequency_penalty * self._counts - o.presence_penalty * (self._counts > 0).float()
+        if self._seen is not None:
+            penalized = torch.where(logits > 0, logits / o.repetition_penalty, logits * o.repetition_penalty)
+            logits = torch.where(self._seen, penalized, logits)
+        if self._counts is not None:
+            logits = logits - o.frequency_penalty * self._counts - o.presence_penalty * (self._counts > 0).float()
+        return logits
 
     def _choose(self, logits: torch.Tensor) -> int:
         o = self.options

@@ -7,11 +7,13 @@ messages to our own types and back; the engine never sees a protobuf.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import grpc
@@ -32,11 +34,13 @@ log = logging.getLogger(__name__)
 _tracer = tracer("splitmoe.attention")
 SERVICE_NAME = "splitmoe.v1.AttentionService"
 _ERROR_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.StatusCode.INTERNAL}
+PROMPT_THREADS = 4
 
 
-def sampling_options(p: pb.SamplingParams, context_tokens: int) -> SamplingOptions:
+def sampling_options(p: pb.SamplingParams, context_left: int) -> SamplingOptions:
+    """`context_left`: the tokens the context has after the prompt, what max_tokens 0 asks for."""
     return SamplingOptions(
-        max_tokens=p.max_tokens if p.max_tokens > 0 else context_tokens,
+        max_tokens=p.max_tokens if p.max_tokens > 0 else context_left,
         temperature=p.temperature,
         top_p=p.top_p or 1.0,
         top_k=p.top_k,
@@ -45,6 +49,7 @@ def sampling_options(p: pb.SamplingParams, context_tokens: int) -> SamplingOptio
         stop=tuple(p.stop),
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
         logprobs=p.logprobs or p.top_logprobs > 0,
         top_logprobs=p.top_logprobs,
         ignore_eos=p.ignore_eos,
@@ -52,10 +57,48 @@ def sampling_options(p: pb.SamplingParams, context_tokens: int) -> SamplingOptio
     )
 
 
+def prompt_ids(model: ServingModel, request: pb.GenerateRequest | pb.ScoreRequest) -> list[int]:
+    """The request's prompt as checked token ids; raises ValueError for the caller's mistakes."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        ids = model.text_prompt_ids(request.text)
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+    elif kind == "chat":
+        ids = model.chat_prompt_ids([_chat_message(m) for m in request.chat.messages],
+                                    request.chat.add_generation_prompt, _template_kwargs(request.chat))
+    else:
+        raise ValueError("the request has no prompt")
+    model.check_prompt(ids)
+    return ids
+
+
+def _chat_message(m: pb.ChatMessage) -> dict:
+    message = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _template_kwargs(chat: pb.ChatPrompt) -> dict:
+    if not chat.template_kwargs:
+        return {}
+    try:
+        kwargs = json.loads(chat.template_kwargs)  # a JSONDecodeError is a ValueError: the caller's mistake
+    except RecursionError:
+        raise ValueError("chat_template_kwargs is nested too deeply") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object")
+    return kwargs
+
+
 class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def __init__(self):
         self.model: ServingModel | None = None
         self.load_failure: Exception | None = None
+        # Rendering and tokenizing a prompt take seconds for megabytes: never on the event loop, and on
+        # threads of their own, so that GetStats' thread never waits behind them.
+        self._prompts = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> ServingModel:
         if self.model is None:
@@ -65,21 +108,10 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         return self.model
 
     async def _prompt_ids(self, model: ServingModel, request, context) -> list[int]:
-        kind = request.WhichOneof("prompt")
         try:
-            if kind == "text":
-                ids = model.tokenizer.encode(request.text)
-            elif kind == "token_ids":
-                ids = list(request.token_ids.ids)
-            elif kind == "chat":
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                ids = model.chat_prompt_ids(messages, request.chat.add_generation_prompt)
-            else:
-                raise ValueError("the request has no prompt")
-            model.check_prompt(ids)
+            return await asyncio.get_running_loop().run_in_executor(self._prompts, prompt_ids, model, request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return ids
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         model = await self._ready(context)
@@ -95,7 +127,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     async def _generate(self, model: ServingModel, request_id: str, ids: list[int], request: pb.GenerateRequest,
                         context):
         try:
-            options = sampling_options(request.sampling, model.max_context_tokens)
+            options = sampling_options(request.sampling, model.max_context_tokens - len(ids))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         loop = asyncio.get_running_loop()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +36,12 @@ def classify_error(error: Exception) -> str:
     return "unavailable" if isinstance(error, ExpertsUnavailable) else "internal"
 
 
+# Unicode normalization (NFC) shrinks text by at most 3x: three 3-byte Hangul jamo compose to one syllable.
+NORMALIZATION_SHRINK = 3
+# What the chat template itself sets; chat_template_kwargs may not replace them.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
 @dataclass
 class ServingModel:
     settings: AttentionSettings
@@ -47,6 +55,10 @@ class ServingModel:
 
     def __post_init__(self):
         self._seq_ids = itertools.count()
+        # Longer text cannot tokenize to fewer than max_context_tokens tokens: each token stands for at
+        # most max_token_bytes bytes of the normalized text. None: the vocabulary gives no such bound.
+        most = self.tokenizer.max_token_bytes
+        self.max_prompt_bytes = None if most is None else NORMALIZATION_SHRINK * most * self.max_context_tokens
 
     @property
     def experts(self) -> ExpertBackend:
@@ -56,24 +68,44 @@ class ServingModel:
     def vocab_size(self) -> int:
         return self.runner.cfg.vocab_size
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.template.render(messages, add_generation_prompt=add_generation_prompt)
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Refuses text too long to fit before tokenizing it (seconds for megabytes)."""
+        if self.max_prompt_bytes is not None and (size := len(text.encode())) > self.max_prompt_bytes:
+            raise ValueError(f"This model's maximum context length is {self.max_context_tokens} tokens. However, "
+                             f"the prompt has {size} bytes, more than {self.max_context_tokens} tokens of this "
+                             f"vocabulary can hold ({self.max_prompt_bytes} bytes). "
+                             "Please reduce the length of the messages.")
         return self.tokenizer.encode(text)
 
-    def check_prompt(self, ids: list[int]) -> None:
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool,
+                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """`template_kwargs`: extra template variables (vLLM's chat_template_kwargs)."""
+        extra = dict(template_kwargs or {})
+        if reserved := sorted(TEMPLATE_VARIABLES & extra.keys()):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        text = self.template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+        return self.text_prompt_ids(text)
+
+    def check_prompt(self, ids: list[int], max_tokens: int = 0) -> None:
+        """`max_tokens`: what the request asks to generate (0: whatever the context leaves)."""
         if not ids:
             raise ValueError("the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        if len(ids) >= self.max_context_tokens:
-            raise ValueError(f"This model's maximum context length is {self.max_context_tokens} tokens, "
-                             f"but the prompt has {len(ids)} tokens.")
+        context, prompt = self.max_context_tokens, len(ids)
+        if prompt >= context:
+            raise ValueError(f"This model's maximum context length is {context} tokens. However, you requested "
+                             f"{prompt} tokens in the messages. Please reduce the length of the messages.")
+        if prompt + max_tokens > context:  # vLLM's words
+            raise ValueError(f"This model's maximum context length is {context} tokens. However, you requested "
+                             f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the "
+                             "completion). Please reduce the length of the messages or completion.")
 
     def new_request(self, request_id: str, prompt_ids: list[int], options: SamplingOptions, sink: OutputSink,
                     chat: bool = False, reasoning_inline: bool = False) -> GenerationRequest:
         """`chat`: the prompt came from the chat template, so the reply's reasoning is parsed out
         (unless it is asked inline, here or in the settings)."""
-        self.check_prompt(prompt_ids)
+        self.check_prompt(prompt_ids, options.max_tokens)
         if options.num_experts_per_token:
             check_experts_per_token(options.num_experts_per_token, self.runner.cfg)
         inline = reasoning_inline or self.settings.reasoning_format == "none"
@@ -81,7 +113,7 @@ class ServingModel:
             request_id=request_id,
             seq=Sequence(next(self._seq_ids), list(prompt_ids), num_experts_per_token=options.num_experts_per_token),
             options=options,
-            sampler=RequestSampler(options, self.vocab_size),
+            sampler=RequestSampler(options, self.vocab_size, prompt_ids),
             detokenizer=output_text(self.tokenizer, options.stop, self.reasoning, prompt_ids,
                                     parse=chat, inline=inline),
             sink=sink,

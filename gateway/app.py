@@ -3,7 +3,8 @@
 A route parses its body, calls its handler, and maps the outcome: an `ErrorResponse` becomes JSON
 with its status, a response model JSON, an async iterator SSE. The attention client lives as
 long as the app (the lifespan below). Middleware is pure ASGI, so a client's disconnect still
-reaches the streaming response and cancels its generation.
+reaches the streaming response and cancels its generation. Every response carries its request's
+id (`x-request-id`), and so does every error body: the log says the rest under that id.
 """
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.attention_client import AttentionClient
+from gateway.admission import Admission
+from gateway.attention_client import AttentionClient, AttentionError
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_types import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, error_response, validation_error,
@@ -34,7 +38,8 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: no API key, no trace span
+PROBE_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: not counted, no trace span
+REQUEST_ID_HEADER = "x-request-id"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer tokens
 
 router = APIRouter()
@@ -44,26 +49,28 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw: Request) -> Response:
+    request_id = RequestId.current().rename("chatcmpl")
     request = await parse_body(raw, ChatCompletionRequest)
     if isinstance(request, ErrorResponse):
         return to_response(request)
     handler: ChatHandler = raw.app.state.chat
-    return to_response(await with_cancellation(raw, handler.create(request, new_id("chatcmpl"))))
+    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
 
 
 @router.post("/v1/completions")
 async def create_completion(raw: Request) -> Response:
+    request_id = RequestId.current().rename("cmpl")
     request = await parse_body(raw, CompletionRequest)
     if isinstance(request, ErrorResponse):
         return to_response(request)
     handler: CompletionHandler = raw.app.state.completions
-    return to_response(await with_cancellation(raw, handler.create(request, new_id("cmpl"))))
+    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
 
 
 @router.get("/v1/models")
 async def list_models(raw: Request) -> Response:
     model: ServedModel = raw.app.state.model
-    return to_response(await model.list())
+    return to_response(await model.list(RequestId.current().value))
 
 
 @router.get("/health")
@@ -83,15 +90,34 @@ async def metrics(raw: Request) -> Response:
 async def index(raw: Request) -> Response:
     """The URLs `splitmoe up` prints answer: what is served here and where the API's routes are."""
     model: ServedModel = raw.app.state.model
-    name = await model.resolve(None)  # an error while loading: the index still answers
+    try:
+        name = await model.resolve(None)
+    except AttentionError:  # loading, or the attention service is down: the index still answers
+        name = None
     routes = sorted({(method, route.path) for route in router.routes for method in getattr(route, "methods", ())})
     return JSONResponse({"object": "splitmoe.index", "model": name if isinstance(name, str) else None,
                          "openai_base_url": "/v1",
                          "routes": [f"{method} {path}" for method, path in routes]})
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+class RequestId:
+    """This request's id: `req-<hex>`, which a generation route renames to its response's id
+    (`chatcmpl-<hex>`), so the header, the body's id, error bodies and log lines all agree."""
+
+    def __init__(self) -> None:
+        self.hex = uuid.uuid4().hex
+        self.value = f"req-{self.hex}"
+
+    def rename(self, prefix: str) -> str:
+        self.value = f"{prefix}-{self.hex}"
+        return self.value
+
+    @staticmethod
+    def current() -> "RequestId":
+        return _REQUEST_ID.get()
+
+
+_REQUEST_ID: ContextVar[RequestId] = ContextVar("request_id")
 
 
 async def parse_body(raw: Request, model: type[M]) -> M | ErrorResponse:
@@ -115,6 +141,13 @@ def to_response(result: ErrorResponse | BaseModel | dict | AsyncIterator[str] | 
 
 
 def error_json(error: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error with its request's id, in the body and in the header (set here too: a 500 from an
+    unhandled exception is sent from outside RequestIdMiddleware)."""
+    request_id = _REQUEST_ID.get(None)
+    headers = dict(headers or {})
+    if request_id is not None:
+        error.error.request_id = error.error.request_id or request_id.value
+        headers[REQUEST_ID_HEADER] = request_id.value
     return JSONResponse(error.model_dump(), status_code=error.status_code, headers=headers)
 
 
@@ -142,6 +175,28 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 
 # ------------------------------------------------------------------------------------- middleware
+
+class RequestIdMiddleware:
+    """Gives each request its id (RequestId) and every response its `x-request-id` header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = RequestId()
+        _REQUEST_ID.set(request_id)  # this request's task and those it starts; an exception handler too
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if REQUEST_ID_HEADER not in headers:
+                    headers.append(REQUEST_ID_HEADER, request_id.value)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
 
 class BodyLimitMiddleware:
     """Buffers each request body up to the limit; a larger one gets 413 before anything parses it."""
@@ -187,14 +242,15 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but health and metrics."""
+    """`Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but `open_paths`."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.api_key = api_key.encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
             return await self.app(scope, receive, send)
         denied = error_response(401, "invalid or missing API key", code="invalid_api_key")
         await error_json(denied, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
@@ -215,7 +271,7 @@ class StatusCountMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
             return await self.app(scope, receive, send)
         status = 500  # what the client gets if the app fails before it answers
 
@@ -244,7 +300,8 @@ async def request_validation_exception(raw: Request, exc: RequestValidationError
 
 
 async def internal_exception(raw: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error on %s %s", raw.method, raw.url.path, exc_info=exc)
+    request_id = _REQUEST_ID.get(None)
+    log.error("%s: unhandled error on %s %s", request_id and request_id.value, raw.method, raw.url.path, exc_info=exc)
     return error_json(error_response(500, "internal error in the gateway"))
 
 
@@ -256,10 +313,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: GatewaySettings = app.state.settings
     client = AttentionClient(settings)
     model = ServedModel(client, settings.served_model_name)
+    admission = Admission(settings.max_generations_per_request, settings.max_generations_in_flight)
     app.state.model = model
-    app.state.chat = ChatHandler(client, model, app.state.metrics)
-    app.state.completions = CompletionHandler(client, model, app.state.metrics)
-    app.state.ops = OpsHandler(client, model, app.state.metrics)
+    app.state.chat = ChatHandler(client, model, app.state.metrics, admission)
+    app.state.completions = CompletionHandler(client, model, app.state.metrics, admission)
+    app.state.ops = OpsHandler(client, model, app.state.metrics, admission)
     try:
         yield
     finally:
@@ -267,7 +325,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def _untraced(scope: Scope) -> bool:
-    return scope.get("path") in OPEN_PATHS
+    return scope.get("path") in PROBE_PATHS
 
 
 # FastAPI's own OpenTelemetry server span is the gateway's one span per request: it continues a
@@ -284,9 +342,13 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_exception)
     app.add_exception_handler(RequestValidationError, request_validation_exception)
     app.add_exception_handler(Exception, internal_exception)
-    # Each add wraps the previous: the outermost (last) counts all, the key is checked before a body is read.
+    # Each add wraps the previous: the key is checked before a body is read, the status count sees
+    # every answer, and the outermost gives each request its id before anything can answer it.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        # /health stays open, as llama-server keeps it; /metrics names internal addresses.
+        open_paths = PROBE_PATHS if settings.public_metrics else frozenset({"/health"})
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     app.add_middleware(StatusCountMiddleware, metrics=app.state.metrics)
+    app.add_middleware(RequestIdMiddleware)
     return app

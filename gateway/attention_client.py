@@ -7,7 +7,7 @@ and the functions at the end convert them to messages and back.
 """
 from __future__ import annotations
 
-import logging
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,17 +21,22 @@ from proto import attention_pb2 as pb
 from proto.attention_pb2_grpc import AttentionServiceStub
 from splitmoe.telemetry import inject_grpc_metadata
 
-log = logging.getLogger(__name__)
-
-# The attention service's status codes, as the HTTP status the gateway answers with.
+# The attention service's status codes, as the HTTP status the gateway answers with; any other is a 500.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,   # its queue is full
+    grpc.StatusCode.UNAVAILABLE: 503,          # loading, or expert services down
+    grpc.StatusCode.CANCELLED: 503,            # shed by the server under load, or it is shutting down
+    grpc.StatusCode.ABORTED: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+# Statuses whose details are the attention service's words about the request itself: the client sees
+# them. Others may name internal addresses (an expert service's, the attention service's own): logs only.
+USER_FACING = frozenset({400, 404, 429})
+UNAVAILABLE_MESSAGE = ("the model is unavailable for now (its attention service or an expert service is down, "
+                       "loading or overloaded); retry later")
 # Message sizes: a Score answer with 20 top logprobs per prompt token is a few MiB at 128k tokens.
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = (
@@ -46,24 +51,28 @@ CHANNEL_OPTIONS = (
 
 
 class AttentionError(Exception):
-    """A failed attention-service call, carrying the HTTP status and a message fit for the user."""
+    """A failed attention-service call: the HTTP status, a message fit for the client, and what
+    happened in full (`detail`), which goes to the log only."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, detail: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.detail = detail or message
 
     @classmethod
     def from_rpc(cls, error: grpc.aio.AioRpcError, timeout_s: float) -> "AttentionError":
         status = HTTP_STATUS.get(error.code(), 500)
         code = error.code().name.lower()
+        detail = f"{error.code().name}: {error.details()}"
+        if status in USER_FACING:
+            return cls(status, error.details() or error.code().name, code, detail)
+        if status == 503:
+            return cls(503, UNAVAILABLE_MESSAGE, code, detail)
         if status == 504:
-            return cls(504, f"the attention service did not finish within {timeout_s:g} s", code)
-        if status == 500:  # details of an internal failure are for the logs, not the client
-            log.error("attention service failed: %s %s", error.code().name, error.details())
-            return cls(500, "internal error in the attention service", code)
-        return cls(status, error.details() or error.code().name, code)
+            return cls(504, f"the attention service did not finish within {timeout_s:g} s", code, detail)
+        return cls(500, "internal error in the attention service", code, detail)
 
 
 class AttentionClient:
@@ -123,8 +132,8 @@ def sampling_message(s: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         seed=s.seed, stop=s.stop, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs, top_logprobs=s.top_logprobs, ignore_eos=s.ignore_eos,
-        num_experts_per_token=s.num_experts_per_token)  # seed None leaves the optional field unset
+        repetition_penalty=s.repetition_penalty, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        ignore_eos=s.ignore_eos, num_experts_per_token=s.num_experts_per_token)  # seed None leaves seed unset
 
 
 def _prompt_field(prompt: Prompt) -> dict:
@@ -133,8 +142,10 @@ def _prompt_field(prompt: Prompt) -> dict:
         return {"text": prompt}
     if isinstance(prompt, tuple):
         return {"token_ids": pb.TokenIds(ids=prompt)}
-    messages = [pb.ChatMessage(role=m.role, content=m.content) for m in prompt.messages]
-    return {"chat": pb.ChatPrompt(messages=messages, add_generation_prompt=prompt.add_generation_prompt)}
+    messages = [pb.ChatMessage(role=m.role, content=m.content, name=m.name) for m in prompt.messages]
+    kwargs = json.dumps(prompt.template_kwargs) if prompt.template_kwargs else ""
+    return {"chat": pb.ChatPrompt(messages=messages, add_generation_prompt=prompt.add_generation_prompt,
+                                  template_kwargs=kwargs)}
 
 
 def chunk_of(response: pb.GenerateResponse) -> GenerateChunk:

@@ -5,7 +5,9 @@ them into protobuf messages and back, so a change of wire format touches that on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 # ------------------------------------------------------------------------------------- requests
 
@@ -22,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0     # 1: off
     logprobs: bool = False
     top_logprobs: int = 0               # with `logprobs`: also this many most likely candidates
     ignore_eos: bool = False
@@ -32,6 +35,7 @@ class SamplingParams:
 class ChatTurn:
     role: str
     content: str
+    name: str = ""                      # "": none
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,7 @@ class ChatPrompt:
     """Messages the attention service renders with the model's own chat template."""
     messages: tuple[ChatTurn, ...]
     add_generation_prompt: bool = True
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra template variables
 
 
 TokenIds = tuple[int, ...]

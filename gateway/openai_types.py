@@ -1,15 +1,17 @@
 """The HTTP vocabulary: OpenAI's request and response bodies, in the order of OpenAI's docs.
 
-Requests validate strictly (a string where a number belongs is a 400, as at OpenAI), accept and
-log unknown fields, and convert themselves to the attention service's `GenerateParams` (and
+Requests validate strictly (a string where a number belongs is a 400, as at OpenAI), bound every
+integer to what its protobuf field holds, refuse the parameters they do not implement, accept and
+log other unknown fields, and convert themselves to the attention service's `GenerateParams` (and
 `ScoreParams`) in one method. Responses are plain models; the handlers in serving.py fill them.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
@@ -17,9 +19,14 @@ from gateway.attention_types import ChatPrompt, ChatTurn, GenerateParams, Sampli
 
 log = logging.getLogger(__name__)
 
-INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1                # token ids, max_tokens, top_k, ...: int32 in proto/attention.proto
+INT64_MAX = 2**63 - 1                # seed: int64, as vLLM bounds it
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+# Stop strings are matched on the engine's thread at every token, at a cost that grows with their
+# number and length: bounded, so that one request's stops cannot slow every stream (OpenAI allows 4).
+MAX_STOPS = 32
+MAX_STOP_CHARS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 UNTIL_CONTEXT_END = 0                # SamplingParams.max_tokens 0: generate until EOS, stop or a full context
 ERROR_TYPES = {
@@ -36,6 +43,7 @@ class ErrorInfo(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+    request_id: str | None = None  # also the `x-request-id` header: what the gateway's log says about it
 
 
 class ErrorResponse(BaseModel):
@@ -49,14 +57,24 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
     return ErrorResponse(error=info, status_code=status)
 
 
+class ParamError(ValueError):
+    """A request validator's complaint about one parameter: the 400 names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 def validation_error(error: ValidationError) -> ErrorResponse:
     """The first pydantic error as OpenAI's 400, naming the offending parameter."""
     first = error.errors(include_url=False)[0]
-    param = _param(first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "json_invalid":
         return error_response(400, f"the request body is not valid JSON: {first['ctx']['error']}", code="invalid_json")
-    return error_response(400, f"{param}: {message}" if param else message, code="invalid_value", param=param)
+    param = getattr(first.get("ctx", {}).get("error"), "param", None) or _param(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if param and not message.startswith(f"{param}: "):
+        message = f"{param}: {message}"
+    return error_response(400, message, code="invalid_value", param=param)
 
 
 def _param(loc: tuple) -> str | None:
@@ -70,15 +88,62 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
 
 # ------------------------------------------------------------------------------------ base types
 
+class UnknownFieldLog:
+    """Logs each unknown field name once per process, cut short: a client that sends thousands of
+    fields, or huge names, writes a few short lines, not its body."""
+    MAX_NAMES = 1024      # distinct names remembered; later new names are no longer logged
+    MAX_NAME_CHARS = 40
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+
+    def report(self, model: str, names: Iterable[str]) -> None:
+        new = []
+        for name in names:
+            key = (model, name[:self.MAX_NAME_CHARS])
+            if key not in self._seen and len(self._seen) < self.MAX_NAMES:
+                self._seen.add(key)
+                new.append(key[1] + ("..." if len(name) > self.MAX_NAME_CHARS else ""))
+        if new:
+            shown = ", ".join(new[:10]) + (f" and {len(new) - 10} more" if len(new) > 10 else "")
+            log.warning("%s: ignoring unknown fields %s (each name is logged once)", model, shown)
+
+
+UNKNOWN_FIELDS = UnknownFieldLog()
+
+
 class OpenAIBaseModel(BaseModel):
-    """Request models: strict types, unknown fields accepted (clients send many) but logged."""
-    model_config = ConfigDict(extra="allow", strict=True)
+    """Request models: strict types, finite numbers, unknown fields accepted (clients send many) but logged."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _log_unknown_fields(self):
-        if self.model_extra:
-            log.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+        if self.model_extra:  # the unsupported ones get their own 400
+            UNKNOWN_FIELDS.report(type(self).__name__, (k for k in self.model_extra if k not in UNSUPPORTED_PARAMETERS))
         return self
+
+
+# Parameters of vLLM, llama-server or OpenAI that would change the output and that SplitMoE does not
+# implement: a 400 names them, unless they hold their no-op value (clients send defaults explicitly).
+UNSUPPORTED_PARAMETERS: dict[str, Any] = {
+    "use_beam_search": False, "length_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
+    "include_stop_str_in_output": False, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+    "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "structured_outputs": None, "logits_processors": None, "chat_template": None,
+    "continue_final_message": False, "echo": False, "n_predict": -1, "repeat_penalty": 1.0, "repeat_last_n": 64,
+    "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0.0, "grammar": "",
+    "json_schema": None, "n_probs": 0, "functions": None, "function_call": None, "prediction": None,
+    "audio": None, "modalities": ["text"], "reasoning_effort": None, "web_search_options": None, "verbosity": None,
+}
+INSTEAD = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty",
+           "reasoning_effort": "chat_template_kwargs", "n_probs": "logprobs"}
+
+
+def check_supported(extra: dict[str, Any] | None) -> None:
+    for name, value in (extra or {}).items():
+        if name in UNSUPPORTED_PARAMETERS and value is not None and value != UNSUPPORTED_PARAMETERS[name]:
+            hint = f"; use {INSTEAD[name]}" if name in INSTEAD else ""
+            raise ParamError(name, f"{name} is not supported{hint}")
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -98,20 +163,30 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: nothing to generate differently
     # Beyond OpenAI, as vLLM and llama-server accept them:
-    top_k: int | None = Field(default=None, ge=-1)          # -1 or 0: off
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)          # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM's; 1: off
     ignore_eos: bool = False
-    num_experts_per_token: int | None = Field(default=None, ge=0)  # SplitMoE: 0 is the model's own
+    num_experts_per_token: int | None = Field(default=None, ge=0, le=INT32_MAX)  # SplitMoE: 0 is the model's own
 
     @model_validator(mode="after")
     def _check_common(self):
+        check_supported(self.model_extra)
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise ParamError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ParamError("stop", f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
         return self
+
+    @property
+    def num_generations(self) -> int:
+        """Choices of this request, each a Generate call: what admission counts."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -131,6 +206,7 @@ class SamplingRequest(OpenAIBaseModel):
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(self.top_k or 0, 0),
             min_p=self.min_p or 0.0, stop=tuple(self.stop_strings()),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
             logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, ignore_eos=self.ignore_eos,
             num_experts_per_token=self.num_experts_per_token or 0)
 
@@ -163,7 +239,7 @@ class ChatMessage(OpenAIBaseModel):
         content = self.content or ""
         if not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        return ChatTurn(role=role, content=content)
+        return ChatTurn(role=role, content=content, name=self.name or "")
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -175,8 +251,8 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     # model, frequency_penalty, logit_bias: SamplingRequest
     logprobs: bool = False
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     # n, presence_penalty: SamplingRequest
     response_format: ResponseFormat | None = None
     # seed, stop, stream, stream_options, temperature: SamplingRequest
@@ -185,17 +261,20 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # top_p, user: SamplingRequest
     add_generation_prompt: bool = True  # vLLM's extension: False continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     # llama-server's per-request switch: "none" returns the reasoning inline in `content`
     reasoning_format: Literal["auto", "none"] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise ParamError("tools", "tools are not supported")
+        if self.tool_choice not in (None, "none", "auto"):  # without tools, only these mean nothing
+            raise ParamError("tool_choice", "tool_choice other than none or auto needs tools, which are not supported")
         if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+            raise ParamError("response_format", f"response_format {self.response_format.type!r} is not supported")
         return self
 
     def to_generate_params(self, request_id: str) -> list[GenerateParams]:
@@ -203,7 +282,8 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens or self.max_tokens or UNTIL_CONTEXT_END
         params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         chat = ChatPrompt(messages=tuple(m.to_turn() for m in self.messages),
-                          add_generation_prompt=self.add_generation_prompt)
+                          add_generation_prompt=self.add_generation_prompt,
+                          template_kwargs=self.chat_template_kwargs or {})
         inline = self.reasoning_format == "none"
         return [GenerateParams(request_id=rid, prompt=chat, sampling=self.seeded(params, i), reasoning_inline=inline)
                 for i, rid in enumerate(fan_out(request_id, self.n))]
@@ -218,11 +298,11 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions (legacy), fields in the order of OpenAI's API reference."""
     # model: SamplingRequest
     prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     echo: bool = False
     # frequency_penalty, logit_bias: SamplingRequest
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_tokens: int = Field(default=COMPLETION_DEFAULT_MAX_TOKENS, ge=0)
+    max_tokens: int = Field(default=COMPLETION_DEFAULT_MAX_TOKENS, ge=0, le=INT32_MAX)
     # n, presence_penalty, seed, stop, stream, stream_options: SamplingRequest
     suffix: str | None = None
     # temperature, top_p, user: SamplingRequest
@@ -230,15 +310,21 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_completion(self):
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            raise ParamError("best_of", "best_of other than n is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ParamError("suffix", "suffix is not supported")
         prompts = self.prompts()
         if not prompts or any(len(p) == 0 and not isinstance(p, str) for p in prompts):
-            raise ValueError("prompt: the prompt is empty")
-        if any(t < 0 for p in prompts if not isinstance(p, str) for t in p):
-            raise ValueError("prompt: token ids must not be negative")
+            raise ParamError("prompt", "the prompt is empty")
+        # Checked here, not as an int constraint of the union: pydantic would report every member's error.
+        if any(not 0 <= t <= INT32_MAX for p in prompts if not isinstance(p, str) for t in p):
+            raise ParamError("prompt", f"token ids must lie in [0, {INT32_MAX}]")
         return self
+
+    @property
+    def num_generations(self) -> int:
+        """Choices of this request (each a Generate call unless max_tokens is 0): what admission counts."""
+        return len(self.prompts()) * self.n
 
     def prompts(self) -> list[Prompt]:
         """The batch: a string or an id list is one prompt; a list of either is several."""

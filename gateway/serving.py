@@ -4,6 +4,7 @@ A handler turns a validated request into attention-service calls (through `Atten
 their answers into OpenAI's shapes. User and service errors come back as `ErrorResponse` values;
 app.py maps the three outcomes to HTTP. Streams open before the HTTP status is sent, so a request
 the attention service rejects (prompt too long, queue full) gets its 4xx instead of a broken 200.
+A request is admitted whole before any call (admission.py), and a failed request logs one line.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from gateway.admission import Admission, Refused, Ticket
 from gateway.attention_client import AttentionClient, AttentionError
 from gateway.attention_types import GenerateChunk, GenerateParams, ModelInfo, ScoreResult, TokenLogprob, TopLogprob
 from gateway.metrics import GatewayMetrics, RequestTimer
@@ -87,12 +89,32 @@ async def _open(stream: AsyncIterator[GenerateChunk]) -> OpenStream:
     return OpenStream(first, stream)
 
 
-async def open_streams(client: AttentionClient, calls: Sequence[GenerateParams]) -> list[OpenStream]:
-    """Start every Generate call at once; if any is rejected, cancel the others and raise its error."""
-    opened = await asyncio.gather(*(_open(client.generate(c)) for c in calls), return_exceptions=True)
+async def _holding(stream: AsyncIterator[GenerateChunk], ticket: Ticket) -> AsyncIterator[GenerateChunk]:
+    """`stream`, giving its admission slot back when it ends: finished, failed, closed, or finalized
+    after its consumer dropped it."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        ticket.release()
+        await stream.aclose()  # cancels the call if it is still running
+
+
+async def open_streams(client: AttentionClient, admission: Admission,
+                       calls: Sequence[GenerateParams]) -> list[OpenStream]:
+    """Admit the calls (Refused: 429), then start them all at once; if any is rejected, cancel the
+    others and raise its error."""
+    ticket = admission.admit(len(calls))
+    try:
+        opened = await asyncio.gather(*(_open(_holding(client.generate(c), ticket)) for c in calls),
+                                      return_exceptions=True)
+    except BaseException:  # cancelled (the client left): calls that never started hold slots too
+        ticket.release_all()
+        raise
     errors = [e for e in opened if isinstance(e, BaseException)]
     if errors:
         await asyncio.gather(*(s.aclose() for s in opened if isinstance(s, OpenStream)), return_exceptions=True)
+        ticket.release_all()
         raise next((e for e in errors if isinstance(e, AttentionError)), errors[0])
     return opened
 
@@ -156,7 +178,7 @@ def sse_line(payload: BaseModel, exclude: set[str] | None = None) -> str:
     return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[BaseModel], include_usage: bool) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[BaseModel], include_usage: bool, request_id: str) -> AsyncIterator[str]:
     """OpenAI's SSE framing: `data: {chunk}` lines, an error as one more chunk, then [DONE]."""
     exclude = None if include_usage else {"usage"}  # OpenAI sends "usage": null only when asked for usage
     try:
@@ -164,11 +186,24 @@ async def sse_stream(chunks: AsyncIterator[BaseModel], include_usage: bool) -> A
             async for chunk in chunks:
                 yield sse_line(chunk, exclude)
     except AttentionError as e:
-        yield sse_line(error_response(e.status, e.message, code=e.code))
+        yield sse_line(failed(request_id, e))
     except Exception:
-        log.exception("stream failed")
-        yield sse_line(error_response(500, "internal error in the gateway"))
+        log.exception("%s: stream failed", request_id)
+        yield sse_line(with_request_id(error_response(500, "internal error in the gateway"), request_id))
     yield SSE_DONE
+
+
+def failed(request_id: str, e: AttentionError) -> ErrorResponse:
+    """The error the client gets, and the request's one log line about it, with what only the log may
+    say (gRPC status and details, internal addresses)."""
+    level = logging.ERROR if e.status == 500 else logging.WARNING if e.status >= 429 else logging.INFO
+    log.log(level, "%s: %d %s", request_id, e.status, e.detail)
+    return with_request_id(error_response(e.status, e.message, code=e.code), request_id)
+
+
+def with_request_id(error: ErrorResponse, request_id: str) -> ErrorResponse:
+    error.error.request_id = request_id
+    return error
 
 
 def total_usage(states: Sequence[ChoiceState], n: int) -> UsageInfo:
@@ -263,29 +298,30 @@ class ServedModel:
         return info.model_id
 
     async def resolve(self, requested: str | None) -> str | ErrorResponse:
-        """The served name, or 404 when the request names another model (None means ours)."""
-        try:
-            name = await self.name()
-        except AttentionError as e:
-            return error_response(e.status, e.message, code=e.code)
+        """The served name, or 404 when the request names another model (None means ours); raises
+        AttentionError while the attention service is down or loading."""
+        name = await self.name()
         if requested is not None and requested != name:
-            return error_response(404, f"The model `{requested}` does not exist.", code="model_not_found", param="model")
+            shown = requested if len(requested) <= 100 else requested[:100] + "..."
+            return error_response(404, f"The model `{shown}` does not exist.", code="model_not_found", param="model")
         return name
 
-    async def list(self) -> ModelList | ErrorResponse:
+    async def list(self, request_id: str) -> ModelList | ErrorResponse:
         try:
             name, info = await self.name(), await self.info()
         except AttentionError as e:
-            return error_response(e.status, e.message, code=e.code)
+            return failed(request_id, e)
         card = ModelCard(id=name, created=self.created, max_model_len=info.context_tokens or None)
         return ModelList(data=[card])
 
 
 class Handler:
-    def __init__(self, client: AttentionClient, model: ServedModel, metrics: GatewayMetrics) -> None:
+    def __init__(self, client: AttentionClient, model: ServedModel, metrics: GatewayMetrics,
+                 admission: Admission) -> None:
         self.client = client
         self.model = model
         self.metrics = metrics
+        self.admission = admission
 
 
 # ------------------------------------------------------------------------------------------- chat
@@ -295,19 +331,22 @@ class ChatHandler(Handler):
 
     async def create(self, request: ChatCompletionRequest, request_id: str
                      ) -> ErrorResponse | ChatCompletionResponse | AsyncIterator[str]:
-        model = await self.model.resolve(request.model)
-        if isinstance(model, ErrorResponse):
-            return model
-        timer = self.metrics.request_timer()
         try:
-            streams = await open_streams(self.client, request.to_generate_params(request_id))
+            model = await self.model.resolve(request.model)
+            if isinstance(model, ErrorResponse):
+                return model
+            timer = self.metrics.request_timer()
+            self.admission.check(request.num_generations)
+            streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
             states = [ChoiceState() for _ in streams]
             if request.stream:
                 chunks = self._chunks(request, request_id, model, choice_events(streams, states, timer), states, timer)
-                return sse_stream(chunks, request.include_usage)
+                return sse_stream(chunks, request.include_usage, request_id)
             await drain(choice_events(streams, states, timer))
+        except Refused as e:
+            return e.error
         except AttentionError as e:
-            return error_response(e.status, e.message, code=e.code)
+            return failed(request_id, e)
         usage = total_usage(states, request.n)
         finish(timer, usage, states)
         return self._response(request, request_id, model, states, usage)
@@ -370,11 +409,12 @@ class CompletionHandler(Handler):
 
     async def create(self, request: CompletionRequest, request_id: str
                      ) -> ErrorResponse | CompletionResponse | AsyncIterator[str]:
-        model = await self.model.resolve(request.model)
-        if isinstance(model, ErrorResponse):
-            return model
-        timer = self.metrics.request_timer()
         try:
+            model = await self.model.resolve(request.model)
+            if isinstance(model, ErrorResponse):
+                return model
+            timer = self.metrics.request_timer()
+            self.admission.check(request.num_generations)
             echoes = await self._echoes(request, request_id)
             states = [ChoiceState() for _ in range(len(request.prompts()) * request.n)]
             if request.max_tokens == 0:  # scoring only: nothing to generate
@@ -382,14 +422,16 @@ class CompletionHandler(Handler):
                 for i, state in enumerate(states):
                     state.finish_reason, state.prompt_tokens = "length", echoes[i // request.n].prompt_tokens
             else:
-                streams = await open_streams(self.client, request.to_generate_params(request_id))
+                streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
             events = choice_events(streams, states, timer)
             if request.stream:
                 chunks = self._chunks(request, request_id, model, events, states, echoes, timer)
-                return sse_stream(chunks, request.include_usage)
+                return sse_stream(chunks, request.include_usage, request_id)
             await drain(events)
+        except Refused as e:
+            return e.error
         except AttentionError as e:
-            return error_response(e.status, e.message, code=e.code)
+            return failed(request_id, e)
         usage = total_usage(states, request.n)
         finish(timer, usage, states)
         return self._response(request, request_id, model, states, echoes, usage)
@@ -465,11 +507,12 @@ class OpsHandler(Handler):
             if not info.ready:
                 return error_response(503, "the model is still loading", code="loading")
             stats = await self.client.stats()
-        except AttentionError as e:
+        except AttentionError as e:  # not logged: probes come every few seconds
             return error_response(503, f"attention service unavailable: {e.message}", code="unavailable")
-        down = [hop.address for hop in stats.hops if not hop.healthy]
-        if down:
-            return error_response(503, f"expert service unhealthy: {', '.join(down)}", code="expert_unhealthy")
+        down = sum(not hop.healthy for hop in stats.hops)
+        if down:  # which ones: /metrics, behind the API key (addresses are internal)
+            return error_response(503, f"{down} of {len(stats.hops)} expert services unhealthy",
+                                  code="expert_unhealthy")
         return {"status": "ok"}
 
     async def metrics_text(self) -> bytes:

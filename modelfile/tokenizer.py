@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -147,6 +148,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 _BYTE_OF_CHAR = {c: b for b, c in _byte_alphabet().items()}
+_BYTE_TOKENS = frozenset(f"<0x{b:02X}>" for b in range(256))  # SentencePiece's byte fallback
 
 
 # --- the tokenizer ---------------------------------------------------------------------------
@@ -184,7 +186,9 @@ class Tokenizer:
                    byte_level=model == "gpt2")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL while it works (encode holds it throughout),
+        # so a long prompt tokenized on a worker thread does not stop the server's other threads.
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos and ids[:1] != [self.bos_id]:
                 ids.insert(0, self.bos_id)
@@ -197,6 +201,18 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self._tokens[token_id]
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for, or None when there is no such bound.
+
+        Every token stands for exactly its own bytes, but for SentencePiece's `▁` (one space) and the
+        dummy prefix (none). Without the 256 byte tokens, a SentencePiece vocabulary fuses any run of
+        unknown characters into one <unk>: no bound then.
+        """
+        if not self._byte_level and not _BYTE_TOKENS <= set(self._tokens):
+            return None
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for: a UTF-8 character may be split across tokens."""

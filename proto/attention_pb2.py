@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/attention.proto\x12\x0bsplitmoe.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"W\n\nChatPrompt\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.splitmoe.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa0\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1d\n\x15num_experts_per_token\x18\r \x01(\x05\x42\x07\n\x05_seed\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.splitmoe.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.splitmoe.v1.ChatPromptH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.splitmoe.v1.SamplingParams\x12\x18\n\x10reasoning_inline\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"w\n\x08TokenOut\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.splitmoe.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x99\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.splitmoe.v1.TokenOut\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.splitmoe.v1.Usage\x12\x16\n\x0ereasoning_text\x18\x05 \x01(\t\"~\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.splitmoe.v1.TokenIdsH\x00\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\x05\x42\x08\n\x06prompt\"g\n\rScoreResponse\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.splitmoe.v1.TokenOut\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.splitmoe.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x8d\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\x17\n\x15\x41ttentionStatsRequest\"\xd1\x01\n\x08HopStats\x12\x16\n\x0e\x65xpert_address\x18\x01 \x01(\t\x12\x10\n\x08num_hops\x18\x02 \x01(\x04\x12\x13\n\x0bhop_s_total\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_s_total\x18\x04 \x01(\x01\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x04\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x1a\n\x12overhead_us_median\x18\x07 \x01(\x01\x12\x18\n\x10overhead_us_mean\x18\x08 \x01(\x01\x12\x11\n\ttransport\x18\t \x01(\t\"A\n\x10\x45xpertTokenCount\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\xfc\x01\n\x0e\x41ttentionStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12\x1d\n\x15max_batch_tokens_seen\x18\x05 \x01(\x04\x12\x1b\n\x13max_batch_seqs_seen\x18\x06 \x01(\x04\x12#\n\x04hops\x18\x07 \x03(\x0b\x32\x15.splitmoe.v1.HopStats\x12\x34\n\rexpert_tokens\x18\x08 \x03(\x0b\x32\x1d.splitmoe.v1.ExpertTokenCount2\xb6\x02\n\x10\x41ttentionService\x12I\n\x08Generate\x12\x1c.splitmoe.v1.GenerateRequest\x1a\x1d.splitmoe.v1.GenerateResponse0\x01\x12>\n\x05Score\x12\x19.splitmoe.v1.ScoreRequest\x1a\x1a.splitmoe.v1.ScoreResponse\x12J\n\tModelInfo\x12\x1d.splitmoe.v1.ModelInfoRequest\x1a\x1e.splitmoe.v1.ModelInfoResponse\x12K\n\x08GetStats\x12\".splitmoe.v1.AttentionStatsRequest\x1a\x1b.splitmoe.v1.AttentionStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/attention.proto\x12\x0bsplitmoe.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"p\n\nChatPrompt\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.splitmoe.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x17\n\x0ftemplate_kwargs\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbc\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1d\n\x15num_experts_per_token\x18\r \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x42\x07\n\x05_seed\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.splitmoe.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.splitmoe.v1.ChatPromptH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.splitmoe.v1.SamplingParams\x12\x18\n\x10reasoning_inline\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"w\n\x08TokenOut\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.splitmoe.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x99\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.splitmoe.v1.TokenOut\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.splitmoe.v1.Usage\x12\x16\n\x0ereasoning_text\x18\x05 \x01(\t\"~\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.splitmoe.v1.TokenIdsH\x00\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\x05\x42\x08\n\x06prompt\"g\n\rScoreResponse\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.splitmoe.v1.TokenOut\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.splitmoe.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x8d\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\x17\n\x15\x41ttentionStatsRequest\"\xd1\x01\n\x08HopStats\x12\x16\n\x0e\x65xpert_address\x18\x01 \x01(\t\x12\x10\n\x08num_hops\x18\x02 \x01(\x04\x12\x13\n\x0bhop_s_total\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_s_total\x18\x04 \x01(\x01\x12\x13\n\x0b\x62ytes_total\x18\x05 \x01(\x04\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x1a\n\x12overhead_us_median\x18\x07 \x01(\x01\x12\x18\n\x10overhead_us_mean\x18\x08 \x01(\x01\x12\x11\n\ttransport\x18\t \x01(\t\"A\n\x10\x45xpertTokenCount\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\xfc\x01\n\x0e\x41ttentionStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12\x1d\n\x15max_batch_tokens_seen\x18\x05 \x01(\x04\x12\x1b\n\x13max_batch_seqs_seen\x18\x06 \x01(\x04\x12#\n\x04hops\x18\x07 \x03(\x0b\x32\x15.splitmoe.v1.HopStats\x12\x34\n\rexpert_tokens\x18\x08 \x03(\x0b\x32\x1d.splitmoe.v1.ExpertTokenCount2\xb6\x02\n\x10\x41ttentionService\x12I\n\x08Generate\x12\x1c.splitmoe.v1.GenerateRequest\x1a\x1d.splitmoe.v1.GenerateResponse0\x01\x12>\n\x05Score\x12\x19.splitmoe.v1.ScoreRequest\x1a\x1a.splitmoe.v1.ScoreResponse\x12J\n\tModelInfo\x12\x1d.splitmoe.v1.ModelInfoRequest\x1a\x1e.splitmoe.v1.ModelInfoResponse\x12K\n\x08GetStats\x12\".splitmoe.v1.AttentionStatsRequest\x1a\x1b.splitmoe.v1.AttentionStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,39 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.attention_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=38
-  _globals['_CHATMESSAGE']._serialized_end=82
-  _globals['_CHATPROMPT']._serialized_start=84
-  _globals['_CHATPROMPT']._serialized_end=171
-  _globals['_TOKENIDS']._serialized_start=173
-  _globals['_TOKENIDS']._serialized_end=196
-  _globals['_SAMPLINGPARAMS']._serialized_start=199
-  _globals['_SAMPLINGPARAMS']._serialized_end=487
-  _globals['_GENERATEREQUEST']._serialized_start=490
-  _globals['_GENERATEREQUEST']._serialized_end=711
-  _globals['_TOPLOGPROB']._serialized_start=713
-  _globals['_TOPLOGPROB']._serialized_end=796
-  _globals['_TOKENOUT']._serialized_start=798
-  _globals['_TOKENOUT']._serialized_end=917
-  _globals['_USAGE']._serialized_start=919
-  _globals['_USAGE']._serialized_end=976
-  _globals['_GENERATERESPONSE']._serialized_start=979
-  _globals['_GENERATERESPONSE']._serialized_end=1132
-  _globals['_SCOREREQUEST']._serialized_start=1134
-  _globals['_SCOREREQUEST']._serialized_end=1260
-  _globals['_SCORERESPONSE']._serialized_start=1262
-  _globals['_SCORERESPONSE']._serialized_end=1365
-  _globals['_MODELINFOREQUEST']._serialized_start=1367
-  _globals['_MODELINFOREQUEST']._serialized_end=1385
-  _globals['_MODELINFORESPONSE']._serialized_start=1388
-  _globals['_MODELINFORESPONSE']._serialized_end=1529
-  _globals['_ATTENTIONSTATSREQUEST']._serialized_start=1531
-  _globals['_ATTENTIONSTATSREQUEST']._serialized_end=1554
-  _globals['_HOPSTATS']._serialized_start=1557
-  _globals['_HOPSTATS']._serialized_end=1766
-  _globals['_EXPERTTOKENCOUNT']._serialized_start=1768
-  _globals['_EXPERTTOKENCOUNT']._serialized_end=1833
-  _globals['_ATTENTIONSTATS']._serialized_start=1836
-  _globals['_ATTENTIONSTATS']._serialized_end=2088
-  _globals['_ATTENTIONSERVICE']._serialized_start=2091
-  _globals['_ATTENTIONSERVICE']._serialized_end=2401
+  _globals['_CHATMESSAGE']._serialized_end=96
+  _globals['_CHATPROMPT']._serialized_start=98
+  _globals['_CHATPROMPT']._serialized_end=210
+  _globals['_TOKENIDS']._serialized_start=212
+  _globals['_TOKENIDS']._serialized_end=235
+  _globals['_SAMPLINGPARAMS']._serialized_start=238
+  _globals['_SAMPLINGPARAMS']._serialized_end=554
+  _globals['_GENERATEREQUEST']._serialized_start=557
+  _globals['_GENERATEREQUEST']._serialized_end=778
+  _globals['_TOPLOGPROB']._serialized_start=780
+  _globals['_TOPLOGPROB']._serialized_end=863
+  _globals['_TOKENOUT']._serialized_start=865
+  _globals['_TOKENOUT']._serialized_end=984
+  _globals['_USAGE']._serialized_start=986
+  _globals['_USAGE']._serialized_end=1043
+  _globals['_GENERATERESPONSE']._serialized_start=1046
+  _globals['_GENERATERESPONSE']._serialized_end=1199
+  _globals['_SCOREREQUEST']._serialized_start=1201
+  _globals['_SCOREREQUEST']._serialized_end=1327
+  _globals['_SCORERESPONSE']._serialized_start=1329
+  _globals['_SCORERESPONSE']._serialized_end=1432
+  _globals['_MODELINFOREQUEST']._serialized_start=1434
+  _globals['_MODELINFOREQUEST']._serialized_end=1452
+  _globals['_MODELINFORESPONSE']._serialized_start=1455
+  _globals['_MODELINFORESPONSE']._serialized_end=1596
+  _globals['_ATTENTIONSTATSREQUEST']._serialized_start=1598
+  _globals['_ATTENTIONSTATSREQUEST']._serialized_end=1621
+  _globals['_HOPSTATS']._serialized_start=1624
+  _globals['_HOPSTATS']._serialized_end=1833
+  _globals['_EXPERTTOKENCOUNT']._serialized_start=1835
+  _globals['_EXPERTTOKENCOUNT']._serialized_end=1900
+  _globals['_ATTENTIONSTATS']._serialized_start=1903
+  _globals['_ATTENTIONSTATS']._serialized_end=2155
+  _globals['_ATTENTIONSERVICE']._serialized_start=2158
+  _globals['_ATTENTIONSERVICE']._serialized_end=2468
 # @@protoc_insertion_point(module_scope)

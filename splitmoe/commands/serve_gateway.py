@@ -16,6 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the model name clients use (default: the model id the attention service reports)")
     p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of one generation (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--max-generations-per-request", type=int, default=None, metavar="N",
+                   help="a request whose prompts x n exceed N gets 400 (default 128)")
+    p.add_argument("--max-generations-in-flight", type=int, default=None, metavar="N",
+                   help="Generate calls open at once through this gateway; a request that would pass N gets 429 "
+                        "(default 512; keep it well under a thousand per attention service, whose gRPC server "
+                        "sheds calls at random past that)")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
     add_cluster_flags(p, serves=False, calls=True)
     p.set_defaults(run=cmd_serve_gateway)
 
@@ -31,7 +38,9 @@ def cmd_serve_gateway(args: argparse.Namespace) -> int:
     settings = GatewaySettings.from_env(
         attention_address=args.attention, host=args.host, port=args.port, api_key=api_key(args),
         served_model_name=args.served_model_name, request_timeout_s=args.request_timeout_s,
-        max_body_bytes=args.max_body_bytes, cluster=cluster_security(args))
+        max_body_bytes=args.max_body_bytes, max_generations_per_request=args.max_generations_per_request,
+        max_generations_in_flight=args.max_generations_in_flight, public_metrics=args.public_metrics or None,
+        cluster=cluster_security(args))
     setup_logging()
     setup_tracing("splitmoe-gateway", settings.otlp_endpoint)
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, loop="uvloop",

@@ -39,10 +39,21 @@ def test_frequency_penalty_moves_away_from_repeats():
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(temperature=2.5), dict(top_p=0.0),
-                                 dict(top_logprobs=21), dict(presence_penalty=3.0), dict(top_k=-2)])
+                                 dict(top_logprobs=21), dict(presence_penalty=3.0), dict(top_k=-2),
+                                 dict(repetition_penalty=0.0), dict(repetition_penalty=2.5)])
 def test_out_of_range_options_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingOptions(**bad)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    options = SamplingOptions(temperature=0.0, repetition_penalty=1.2)
+    sampler = RequestSampler(options, 5, prompt_ids=[1])
+    # 3 / 1.2 = 2.5 < 2.9: the prompt's token loses to 2; then 2.9 / 1.2 < 2.5, so 1 is back on top.
+    assert [sampler(logits()).token_id for _ in range(3)] == [2, 1, 1]
+    negative = torch.tensor([-1.0, -1.1])
+    assert RequestSampler(options, 2, prompt_ids=[0])(negative).token_id == 1  # -1.2 < -1.1
+    assert RequestSampler(SamplingOptions(temperature=0.0), 2, prompt_ids=[0])(negative).token_id == 0
 
 
 def test_no_logprob_work_unless_asked():

@@ -119,7 +119,15 @@ def test_cancelled_stream_stops_its_generation(service):
     pb.GenerateRequest(token_ids=pb.TokenIds(ids=[100000])),          # not in the vocabulary
     pb.GenerateRequest(),                                             # no prompt
     pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=5.0)),
-], ids=["over-context", "unknown-token", "no-prompt", "bad-temperature"])
+    pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(repetition_penalty=-1.0)),
+    pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")],
+                                          template_kwargs='{"messages": []}')),
+    pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")],
+                                          template_kwargs="[1, 2]")),
+    pb.GenerateRequest(chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")],
+                                          template_kwargs="[" * 100_000)),
+], ids=["over-context", "unknown-token", "no-prompt", "bad-temperature", "bad-repetition-penalty",
+        "template-kwargs-set-messages", "template-kwargs-not-an-object", "template-kwargs-too-deep"])
 def test_bad_requests_are_invalid_argument_and_the_service_goes_on(service, request_):
     with pytest.raises(grpc.RpcError) as e:
         list(service.Generate(request_, timeout=10))
@@ -147,3 +155,40 @@ def test_a_request_may_ask_for_fewer_experts_per_token(service, demo_gguf):
     with pytest.raises(grpc.RpcError) as e:
         generate(service, ids, num_experts_per_token=99)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "experts per token" in e.value.details()
+
+
+def test_prompt_and_max_tokens_over_the_context_are_refused_as_vllm_words_it(service):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2000), sampling=pb.SamplingParams(max_tokens=100))
+    with pytest.raises(grpc.RpcError) as e:
+        list(service.Generate(request, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == ("This model's maximum context length is 2048 tokens. However, you requested 2100 "
+                                 "tokens (2000 in the messages, 100 in the completion). Please reduce the length "
+                                 "of the messages or completion.")
+    request.sampling.max_tokens = 48  # exactly the context: allowed
+    assert list(service.Generate(request, timeout=60))[-1].usage.completion_tokens <= 48
+
+
+def test_a_huge_prompt_is_refused_by_its_size_at_once_and_stalls_no_other_stream(service):
+    """8 MB of text is refused before tokenizing (seconds of work), and the stream beside it goes on."""
+    arrivals = []
+    stream = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[0]),
+                                sampling=pb.SamplingParams(max_tokens=600, ignore_eos=True))
+
+    def consume():
+        for _ in service.Generate(stream, timeout=60):
+            arrivals.append(time.monotonic())
+
+    streamer = threading.Thread(target=consume)
+    streamer.start()
+    while len(arrivals) < 5:
+        time.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(service.Generate(pb.GenerateRequest(text="hello world " * 700_000), timeout=30))
+    refused = time.monotonic()
+    streamer.join()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in e.value.details()
+    assert refused - started < 2.0
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if started <= b <= refused + 0.5]
+    assert during and max(during) < 1.0, during

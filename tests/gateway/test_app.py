@@ -7,18 +7,15 @@ health, overload and expert-service failures are in test_app_operations.py.
 from __future__ import annotations
 
 import json
-import subprocess
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from tests.support.gateway_http import (
-    assert_openai_error, metric, running_gateway, sse_chunks, wait_http, wait_until_idle,
+    GatewayStack, assert_openai_error, gateway_over_attention, metric, running_gateway, sse_chunks, wait_http,
+    wait_until_idle,
 )
-from tests.support.processes import free_port, spawn, stop
 
 API_KEY = "integration-key"
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf
@@ -30,33 +27,11 @@ GREEDY = {"temperature": 0, "ignore_eos": True}     # in a body; the openai clie
 CLIENT_GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@dataclass(frozen=True)
-class Stack:
-    url: str
-    attention_port: int
-    log_dir: Path
-
-
 @pytest.fixture(scope="module")
-def stack(demo_gguf, tmp_path_factory) -> Stack:
+def stack(demo_gguf, tmp_path_factory) -> GatewayStack:
     log_dir = tmp_path_factory.mktemp("app")
-    port = free_port()
-    attention = spawn(["serve-attention", str(demo_gguf), "--port", str(port)], log_dir / "attention.log")
-    try:
-        with running_gateway(port, log_dir / "gateway.log", "--api-key", API_KEY,
-                             "--max-body-bytes", str(MAX_BODY_BYTES)) as url:
-            wait_until_healthy(url, attention, log_dir)
-            yield Stack(url, port, log_dir)
-    finally:
-        stop(attention)
-
-
-def wait_until_healthy(url: str, attention: subprocess.Popen, log_dir: Path) -> None:
-    try:
-        wait_http(url + "/health", attention, lambda r: r.status_code == 200)
-    except Exception:
-        print((log_dir / "attention.log").read_text(errors="replace")[-4000:])
-        raise
+    with gateway_over_attention(demo_gguf, log_dir, "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +262,7 @@ def test_a_chunked_body_over_the_limit_is_413(http, client):
 
 # ------------------------------------------------------------------------------ auth, names, metrics
 
-def test_api_key_guards_v1_but_not_health_and_metrics(stack):
+def test_api_key_guards_v1_and_metrics_but_not_health(stack):
     url = stack.url
     assert_openai_error(httpx.get(f"{url}/v1/models"), 401, "authentication_error")
     wrong = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
@@ -297,7 +272,15 @@ def test_api_key_guards_v1_but_not_health_and_metrics(stack):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert_openai_error(httpx.get(f"{url}/metrics"), 401, "authentication_error")  # it names internal addresses
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_public_metrics_opens_metrics_alone(stack):
+    with running_gateway(stack.attention_port, stack.log_dir / "gateway-public.log", "--api-key", API_KEY,
+                         "--public-metrics") as url:
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        assert_openai_error(httpx.get(f"{url}/v1/models"), 401, "authentication_error")
 
 
 def test_served_model_name_replaces_the_model_id(stack):

@@ -110,6 +110,8 @@ def test_503_while_the_attention_service_is_down(stack):
     assert health["code"] == "unavailable" and "attention service unavailable" in health["message"]
     assert_openai_error(down["models"], 503, "service_unavailable_error")
     assert_openai_error(down["chat"], 503, "service_unavailable_error")
+    for name in ("health", "models", "chat"):  # gRPC's connection error names the address: the log's only
+        assert "127.0.0.1" not in down[name].text and "ipv4" not in down[name].text
     assert down["metrics"].status_code == 200  # the gateway's own metrics, and that the service is missing
     assert metric(down["metrics"].text, "splitmoe:attention_service_up") == 0
 
@@ -185,6 +187,7 @@ def test_an_expert_service_killed_mid_stream(http, stack):
     assert r.status_code == 200 and events[-1] == "[DONE]"  # the status went out with the first token
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable_error" and "expert" in error["message"].lower()
+    assert stack.experts.address("high") not in events[-2] and error["request_id"].startswith("chatcmpl-")
     try:
         assert_dead_expert_is_reported(http, stack)
     finally:
@@ -197,12 +200,14 @@ def test_an_expert_service_killed_mid_stream(http, stack):
 def assert_dead_expert_is_reported(http: httpx.Client, stack: Stack) -> None:
     health = assert_openai_error(http.get("/health"), 503, "service_unavailable_error")
     assert health["code"] == "expert_unhealthy"
-    assert stack.experts.address("high") in health["message"] and stack.experts.address("low") not in health["message"]
+    assert health["message"] == "1 of 2 expert services unhealthy"  # which one: in /metrics, not in an open body
     text = http.get("/metrics").text
     assert metric(text, f"splitmoe:expert_service_healthy{hop_label(stack, 'high')}") == 0
     assert metric(text, f"splitmoe:expert_service_healthy{hop_label(stack, 'low')}") == 1
-    # A new request needs the dead service's experts: 503 before any token, not a 500.
-    assert_openai_error(http.post("/v1/chat/completions", json=CHAT), 503, "service_unavailable_error")
+    # A new request needs the dead service's experts: 503 before any token, not a 500, and no address.
+    refused = http.post("/v1/chat/completions", json=CHAT)
+    assert_openai_error(refused, 503, "service_unavailable_error")
+    assert stack.experts.address("high") not in refused.text
 
 
 def test_health_is_503_while_an_expert_service_hosts_less_than_the_placement_needs(http, stack):

@@ -3,6 +3,8 @@
 Calls over a real channel are covered by test_http.py against real services; a 500 cannot be
 caused there on purpose, so its mapping is checked here.
 """
+import json
+
 import grpc
 import pytest
 
@@ -26,6 +28,8 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     (grpc.StatusCode.NOT_FOUND, 404),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.CANCELLED, 503),      # the server shed it, or is shutting down: retry, not a 500
+    (grpc.StatusCode.ABORTED, 503),
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     (grpc.StatusCode.INTERNAL, 500),
     (grpc.StatusCode.UNKNOWN, 500),
@@ -41,6 +45,9 @@ def test_user_facing_details_pass_through_but_internal_ones_do_not():
     internal = AttentionError.from_rpc(rpc_error(grpc.StatusCode.INTERNAL, "CUDA error at kernels.cu:12"), 1)
     assert "CUDA" not in internal.message
     assert "600 s" in AttentionError.from_rpc(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, ""), 600).message
+    down = AttentionError.from_rpc(rpc_error(grpc.StatusCode.UNAVAILABLE, "expert service 10.0.0.7:50061 gone"), 1)
+    assert "10.0.0.7" not in down.message and "retry" in down.message
+    assert down.detail == "UNAVAILABLE: expert service 10.0.0.7:50061 gone"  # for the log
 
 
 def test_an_internal_failure_is_openais_server_error_without_its_details():
@@ -53,15 +60,20 @@ def test_an_internal_failure_is_openais_server_error_without_its_details():
 # --------------------------------------------------------------------------------------- requests
 
 def test_a_chat_call_becomes_a_generate_request():
-    chat = ChatPrompt(messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), add_generation_prompt=False)
+    chat = ChatPrompt(messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi", name="ada")),
+                      add_generation_prompt=False, template_kwargs={"enable_thinking": False})
     sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=11, stop=("END",),
-                              presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=3,
-                              ignore_eos=True, num_experts_per_token=4)
+                              presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, logprobs=True,
+                              top_logprobs=3, ignore_eos=True, num_experts_per_token=4)
     request = generate_request(GenerateParams("chatcmpl-1", chat, sampling))
     assert request.request_id == "chatcmpl-1" and request.WhichOneof("prompt") == "chat"
-    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "be brief"), ("user", "hi")]
+    assert [(m.role, m.content, m.name) for m in request.chat.messages] == [("system", "be brief", ""),
+                                                                            ("user", "hi", "ada")]
     assert not request.chat.add_generation_prompt
+    assert json.loads(request.chat.template_kwargs) == {"enable_thinking": False}
+    assert generate_request(GenerateParams("r", ChatPrompt(messages=()), sampling)).chat.template_kwargs == ""
     s = request.sampling
+    assert s.repetition_penalty == 1.25
     assert (s.max_tokens, s.top_k, s.seed, list(s.stop), s.top_logprobs, s.num_experts_per_token) == (
         7, 40, 11, ["END"], 3, 4)
     assert (s.temperature, s.presence_penalty, s.frequency_penalty) == (0.5, 0.5, -0.5)

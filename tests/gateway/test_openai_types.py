@@ -1,4 +1,5 @@
 """Request validation (OpenAI's ranges and types) and conversion to the attention service's call parameters."""
+import json
 import logging
 
 import pytest
@@ -6,7 +7,8 @@ from pydantic import ValidationError
 
 from gateway.attention_types import ChatPrompt, ChatTurn
 from gateway.openai_types import (
-    INT64_MAX, ChatCompletionRequest, CompletionRequest, error_response, validation_error,
+    INT32_MAX, INT64_MAX, MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, CompletionRequest, UnknownFieldLog, error_response,
+    validation_error,
 )
 
 CHAT = '{"messages": [{"role": "user", "content": "hi"}]'
@@ -45,6 +47,17 @@ def test_chat_sampling_parameters_reach_the_request():
     assert s.temperature == 0.5 and s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.05)
     assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.5
     assert s.logprobs and s.ignore_eos and s.num_experts_per_token == 4
+
+
+def test_repetition_penalty_template_kwargs_and_names_reach_the_request():
+    body = ('"repetition_penalty": 1.1, "chat_template_kwargs": {"enable_thinking": false}, "tool_choice": "none",'
+            '"min_tokens": 0, "stop_token_ids": [], "modalities": ["text"]')  # no-op values of unsupported ones
+    [req] = chat(body).to_generate_params("r")
+    assert req.sampling.repetition_penalty == pytest.approx(1.1)
+    assert req.prompt.template_kwargs == {"enable_thinking": False}
+    named = ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": "a", "name": "bo"}]}')
+    assert named.to_generate_params("r")[0].prompt.messages == (ChatTurn("user", "a", name="bo"),)
+    assert chat().to_generate_params("r")[0].sampling.repetition_penalty == 1.0
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -100,6 +113,25 @@ def test_message_content_parts_and_developer_role():
     (CHAT + ', "stream": "yes"}', "stream"),
     (CHAT + ', "stop": 5}', "stop"),
     (CHAT + ', "seed": 1e30}', "seed"),
+    (CHAT + f', "seed": {INT64_MAX + 1}}}', "seed"),
+    (CHAT + f', "max_tokens": {INT32_MAX + 1}}}', "max_tokens"),
+    (CHAT + f', "max_completion_tokens": {2**64}}}', "max_completion_tokens"),
+    (CHAT + f', "top_k": {INT32_MAX + 1}}}', "top_k"),
+    (CHAT + ', "top_k": -2}', "top_k"),
+    (CHAT + f', "num_experts_per_token": {INT32_MAX + 1}}}', "num_experts_per_token"),
+    (CHAT + f', "n": {2**40}}}', "n"),
+    (CHAT + f', "logprobs": true, "top_logprobs": {2**63}}}', "top_logprobs"),
+    (CHAT + ', "temperature": NaN}', "temperature"),
+    (CHAT + ', "repetition_penalty": 0}', "repetition_penalty"),
+    (CHAT + ', "repetition_penalty": 1e400}', "repetition_penalty"),
+    (CHAT + ', "chat_template_kwargs": [1]}', "chat_template_kwargs"),
+    (CHAT + ', "tool_choice": "required"}', "tool_choice"),
+    (CHAT + ', "logit_bias": {"5": 1}}', "logit_bias"),
+    (CHAT + ', "min_tokens": 3}', "min_tokens"),
+    (CHAT + ', "guided_json": {"type": "object"}}', "guided_json"),
+    (CHAT + ', "repeat_penalty": 1.3}', "repeat_penalty"),
+    (CHAT + f', "stop": {json.dumps(["s"] * (MAX_STOPS + 1))}}}', "stop"),
+    (CHAT + f', "stop": "{"s" * (MAX_STOP_CHARS + 1)}"}}', "stop"),
 ])
 def test_out_of_range_and_wrong_types_are_400_naming_the_parameter(body, param):
     error = error_of(ChatCompletionRequest, body)
@@ -128,17 +160,29 @@ def test_malformed_json_is_400_invalid_json():
     assert error_of(ChatCompletionRequest, "").status_code == 400
 
 
-def test_unknown_fields_are_accepted_and_logged(caplog):
+def test_unknown_fields_are_accepted_and_logged_once_per_name(caplog):
     with caplog.at_level(logging.WARNING, logger="gateway.openai_types"):
         req = chat('"frobnicate": 1, "store": true')
+        chat('"frobnicate": 2')
     assert req.model_extra == {"frobnicate": 1, "store": True}
-    assert "frobnicate" in caplog.text
+    assert caplog.text.count("frobnicate") == 1
+
+
+def test_unknown_field_names_are_logged_cut_short_and_only_so_many(caplog):
+    names = UnknownFieldLog()
+    with caplog.at_level(logging.WARNING, logger="gateway.openai_types"):
+        names.report("M", ["x" * 5000] + [f"field{i}" for i in range(5000)])
+        names.report("M", ["late"])
+    cut = UnknownFieldLog.MAX_NAME_CHARS
+    assert "x" * cut + "..." in caplog.text and "x" * (cut + 1) not in caplog.text
+    assert f"and {UnknownFieldLog.MAX_NAMES - 10} more" in caplog.text and "late" not in caplog.text
+    assert len(caplog.text) < 1000
 
 
 def test_error_response_shape():
     body = error_response(429, "queue full", code="resource_exhausted").model_dump()
     assert body == {"error": {"message": "queue full", "type": "rate_limit_error", "param": None,
-                              "code": "resource_exhausted"}}
+                              "code": "resource_exhausted", "request_id": None}}  # app.py fills in the id
 
 
 # ------------------------------------------------------------------------------------- completions
@@ -183,7 +227,11 @@ def test_which_completions_score_their_prompt(body, scores):
 @pytest.mark.parametrize("body, param", [
     ('{"prompt": []}', None),
     ('{"prompt": [[]]}', None),
-    ('{"prompt": [1, -2]}', None),
+    ('{"prompt": [1, -2]}', "prompt"),
+    (f'{{"prompt": [1, {INT32_MAX + 1}]}}', "prompt"),
+    (f'{{"prompt": [[1], [{2**70}]]}}', "prompt"),
+    (f'{{"prompt": "x", "max_tokens": {INT32_MAX + 1}}}', "max_tokens"),
+    (f'{{"prompt": "x", "best_of": {2**31}}}', "best_of"),
     ('{"prompt": [1, "a"]}', "prompt"),
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens"),
     ('{"prompt": "x", "logprobs": 21}', "logprobs"),

@@ -6,6 +6,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
 
+from gateway.admission import Admission, Refused
 from gateway.attention_client import AttentionError
 from gateway.attention_types import GenerateChunk, GenerateParams, SamplingParams, TokenLogprob, TopLogprob, Usage
 from gateway.openai_types import (
@@ -83,18 +84,19 @@ def test_stream_ends_with_done_and_an_error_becomes_a_chunk():
         yield ChatCompletionChunk(id="c", created=1, model="m", choices=[], usage=UsageInfo.of(1, 2))
         raise AttentionError(503, "expert services down", "unavailable")
 
-    lines = collect_sse(sse_stream(failing(), include_usage=True))
+    lines = collect_sse(sse_stream(failing(), include_usage=True, request_id="chatcmpl-c"))
     assert lines[-1] == SSE_DONE
     assert json.loads(lines[0][6:])["usage"]["total_tokens"] == 3
     error = json.loads(lines[1][6:])["error"]
     assert error["message"] == "expert services down" and error["type"] == "service_unavailable_error"
+    assert error["request_id"] == "chatcmpl-c"
 
 
 def chat_stream_lines(body: str, *calls: FakeCall) -> list[str]:
     request = ChatCompletionRequest.model_validate_json(body)
 
     async def run():
-        handler = ChatHandler(FakeClient(list(calls)), _Model(), _metrics())
+        handler = ChatHandler(FakeClient(list(calls)), _Model(), _metrics(), Admission(128, 512))
         stream = await handler.create(request, "chatcmpl-abc")
         return [line async for line in stream]
     return asyncio.run(run())
@@ -164,7 +166,8 @@ def test_chat_full_response_validates_as_openai():
     calls = [FakeCall(responses("a", "b", tokens=[a])), FakeCall(responses("c", finish="stop", tokens=[a]))]
 
     async def run():
-        return await ChatHandler(FakeClient(calls), _Model(), _metrics()).create(request, "chatcmpl-1")
+        handler = ChatHandler(FakeClient(calls), _Model(), _metrics(), Admission(128, 512))
+        return await handler.create(request, "chatcmpl-1")
     body = json.loads(asyncio.run(run()).model_dump_json())
     parsed = ChatCompletion.model_validate(body)
     assert [c.message.content for c in parsed.choices] == ["ab", "c"]
@@ -231,9 +234,33 @@ def test_merge_raises_the_first_failure_and_closes_the_rest():
 
 def test_open_streams_cancels_the_others_when_one_is_rejected():
     calls = [FakeCall(responses("a", "b"), delay_s=0.01), FakeCall(responses("x"), fail_after=0)]
+    admission = Admission(128, 512)
 
     async def run():
         with pytest.raises(AttentionError, match="expert services down"):
-            await open_streams(FakeClient(calls), [GenerateParams("r-0", "x", SamplingParams(1))] * 2)
+            await open_streams(FakeClient(calls), admission, [GenerateParams("r-0", "x", SamplingParams(1))] * 2)
     asyncio.run(run())
-    assert all(c.closed for c in calls)
+    assert all(c.closed for c in calls) and admission.in_flight == 0
+
+
+def test_each_call_holds_its_admission_slot_until_it_ends():
+    admission = Admission(max_per_request=4, max_in_flight=3)
+    calls = [FakeCall(responses("a", "b")), FakeCall(responses("x", "y", "z"))]
+    params = [GenerateParams("r-0", "x", SamplingParams(1))] * 2
+
+    async def run():
+        streams = await open_streams(FakeClient(calls), admission, params)
+        assert admission.in_flight == 2
+        with pytest.raises(Refused) as full:  # two more would make four
+            await open_streams(FakeClient([]), admission, params)
+        assert full.value.error.status_code == 429 and admission.in_flight == 2
+        async for _ in streams[0]:  # the first ends: its slot is free
+            pass
+        assert admission.in_flight == 1
+        await streams[1].aclose()
+        assert admission.in_flight == 0
+    asyncio.run(run())
+    with pytest.raises(Refused) as too_many:
+        admission.check(5)
+    assert too_many.value.error.status_code == 400 and too_many.value.error.error.param == "n"
+

@@ -11,11 +11,36 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from tests.support.processes import free_port, spawn, stop
+
+
+@dataclass(frozen=True)
+class GatewayStack:
+    url: str
+    attention_port: int
+    log_dir: Path
+
+
+@contextmanager
+def gateway_over_attention(model: Path, log_dir: Path, *gateway_args: str) -> Iterator[GatewayStack]:
+    """`serve-attention` on `model` (experts in-process) and a gateway in front, both healthy."""
+    port = free_port()
+    attention = spawn(["serve-attention", str(model), "--port", str(port)], log_dir / "attention.log")
+    try:
+        with running_gateway(port, log_dir / "gateway.log", *gateway_args) as url:
+            try:
+                wait_http(url + "/health", attention, lambda r: r.status_code == 200)
+            except Exception:
+                print((log_dir / "attention.log").read_text(errors="replace")[-4000:])
+                raise
+            yield GatewayStack(url, port, log_dir)
+    finally:
+        stop(attention)
 
 
 @contextmanager
@@ -69,12 +94,12 @@ def sse_chunks(response: httpx.Response) -> list[dict]:
 
 
 def assert_openai_error(response: httpx.Response, status: int, error_type: str) -> dict:
-    """OpenAI's error body with `status`; returns its `error` object."""
+    """OpenAI's error body with `status`, and the request's id as in its header; returns its `error` object."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == error_type, error
-    assert error["message"]
+    assert set(error) == {"message", "type", "param", "code", "request_id"} and error["type"] == error_type, error
+    assert error["message"] and error["request_id"] == response.headers["x-request-id"], (error, response.headers)
     return error
 
 
