@@ -22,6 +22,7 @@ SOURCES = [
     "kernels/csrc/attention.cpp",
     "kernels/csrc/attention_avx2.cpp",
     "kernels/csrc/attention_avx512.cpp",
+    "kernels/csrc/decode_layer.cpp",
 ]
 
 ext_modules = []

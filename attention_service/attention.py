@@ -16,6 +16,7 @@ from attention_service.layers import Rope, linear, rms_norm, softmax_scale
 from attention_service.weight_loader import WeightLoader
 from kernels import native
 from kernels.decode_attention import decode_attention
+from kernels.decode_layer import AttentionFront, DecodeStep
 from kernels.linear import LinearGroup, LinearWeight, QuantLinear
 from modelfile.hparams import ModelConfig
 
@@ -181,6 +182,26 @@ class MultiHeadAttention:
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.cfg
         return {"k": (c.num_kv_heads, c.head_dim), "v": (c.num_kv_heads, c.value_head_dim)}
+
+    def native_front(self, i: int, w: AttentionWeights, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                     router: torch.Tensor | None, router_bias: torch.Tensor | None, kv: KVCache) -> AttentionFront | None:
+        """Layer i's attention half as one native call (kernels.decode_layer), or None where a weight
+        has no native route (the float32 mode's dense weights, a type the kernels lack)."""
+        if not all(isinstance(m, QuantLinear) and m.route == "native" for m in (w.q, w.k, w.v, w.out)):
+            return None
+        c, pools = self.cfg, kv.pools(i)
+        return AttentionFront(
+            eps=c.norm_eps, attn_norm=attn_norm, ffn_norm=ffn_norm, q=w.q, k=w.k, v=w.v, o=w.out,
+            heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.value_head_dim,
+            biases=(w.q_bias, w.k_bias, w.v_bias, w.out_bias), qk_norm=self.spec.qk_norm, q_norm=w.q_norm,
+            k_norm=w.k_norm, rope_dims=self.rope.dims, rope_interleaved=self.rope.interleaved, scale=self.scale,
+            window=self.window_tokens(i), sinks=w.sinks, k_pool=pools["k"], v_pool=pools["v"], router=router,
+            router_bias=router_bias)
+
+    def decode_step(self, batch: StepBatch) -> DecodeStep:
+        """What every layer's native front reads of this step (rope tables, slots, context)."""
+        cos, sin = self.rope.tables(batch.positions)
+        return DecodeStep(batch.new_slots, cos, sin, batch.attention_context)
 
     def __call__(self, i: int, w: AttentionWeights, h: torch.Tensor, batch: StepBatch,
                  kv: KVCache) -> torch.Tensor:

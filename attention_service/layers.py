@@ -53,7 +53,7 @@ class Rope:
         Computed as rot·cos + swap(rot)·(∓sin), where swap exchanges each pair's two members: the
         same products and sums as (a·cos − b·sin, a·sin + b·cos), so bit-identical, in fewer calls.
         """
-        cos, sin = self._tables(positions)
+        cos, sin = self.tables(positions)
         rot = x[..., : self.dims].float()
         if self.interleaved:
             swapped = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
@@ -66,7 +66,7 @@ class Rope:
             return rotated.to(x.dtype)
         return torch.cat((rotated.to(x.dtype), x[..., self.dims :]), dim=-1)
 
-    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, dims] in the rotation's pair layout, for these positions.
 
         Kept for the last few positions tensors seen (held, so an id is never a recycled one's):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from attention_service.attention import use_native_decode
 from attention_service.batch import StepBatch
 from attention_service.experts_client import ExpertBackend, ExpertsHandle
 from attention_service.kv_cache import KVCache
@@ -51,6 +52,10 @@ class MoETransformer:
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, not {micro_batches}")
         self.micro_batches = micro_batches
+        # Per layer, its attention half as one native call (decode steps in the fast mode), made
+        # on the first decode step: None until then, [] where some layer cannot take it.
+        self._fronts: list | None = None
+        self._fronts_kv: KVCache | None = None
 
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.attention.kv_entry_shapes()
@@ -65,8 +70,15 @@ class MoETransformer:
         per_token = batch.experts_per_token
         top_k = self.cfg.num_experts_used if per_token is None else int(per_token.max())  # of the whole step
         parts = batch.split(self.micro_batches) if self.micro_batches > 1 else []
+        fronts = self._native_fronts(kv) if use_native_decode(batch, kv) and len(parts) <= 1 else []
         if len(parts) > 1:
             x = self._pipelined(x, parts, kv, top_k)
+        elif fronts:
+            step = self.attention.decode_step(batch)
+            x = x.contiguous()
+            for i, (layer, front) in enumerate(zip(w.layers, fronts)):
+                h32, logits = front(step, x)  # x += attention, in place
+                x += self._ffn(i, layer, h32, batch, top_k, logits)
         else:
             for i, layer in enumerate(w.layers):
                 x = x + self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
@@ -92,13 +104,31 @@ class MoETransformer:
             xs[m] = xs[m] + pending[m].finish()
         return torch.cat(xs)
 
-    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int) -> torch.Tensor:
-        """h32: the normed input in float32; the router and gates read it before rounding."""
+    def _native_fronts(self, kv: KVCache) -> list:
+        """Every layer's native attention front for this cache, or [] when some layer has none."""
+        if self._fronts is None or self._fronts_kv is not kv:
+            make = getattr(self.attention, "native_front", None)
+            fronts = []
+            for i, layer in enumerate(self.weights.layers):
+                moe = layer.moe
+                front = make(i, layer.attn, layer.attn_norm, layer.ffn_norm, moe and moe.router,
+                             moe and moe.router_bias, kv) if make else None
+                if front is None:
+                    fronts = []
+                    break
+                fronts.append(front)
+            self._fronts, self._fronts_kv = fronts, kv
+        return self._fronts
+
+    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int,
+             router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """h32: the normed input in float32; the router and gates read it before rounding.
+        `router_logits`: the router's product of h32 when the caller computed it already."""
         h = h32.to(self.dtype)
         if layer.moe is None:
             f = layer.dense_ffn
             return swiglu(h, f)
-        ids, weights = self._route(layer, h32, batch, top_k)
+        ids, weights = self._route(layer, h32, batch, top_k, router_logits)
         out = self.experts.forward(i, h, ids, weights).float()
         shared = self._shared(layer, h, h32)
         return out if shared is None else out + shared
@@ -114,11 +144,13 @@ class MoETransformer:
         handle = self.experts.submit(i, h, ids, weights)
         return _PendingFFN(handle, self._shared(layer, h, h32))
 
-    def _route(self, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch,
-               top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int,
+               router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         w, c = layer.moe, self.cfg
         per_token = batch.experts_per_token
-        ids, weights = route(linear(h32, w.router, w.router_bias), top_k, c.expert_gating,
+        if router_logits is None:
+            router_logits = linear(h32, w.router, w.router_bias)
+        ids, weights = route(router_logits, top_k, c.expert_gating,
                              c.expert_weights_norm, c.expert_weights_scale, selection_bias=w.selection_bias,
                              num_groups=c.num_expert_groups, num_groups_used=c.num_expert_groups_used)
         if per_token is not None:

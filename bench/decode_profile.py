@@ -65,6 +65,7 @@ def instrument(runner, timers: Timers) -> None:
     from attention_service import attention, mla, transformer
     from attention_service.kv_cache import KVCache
     from attention_service.layers import Rope
+    from kernels.decode_layer import AttentionFront
     from kernels.linear import LinearGroup, QuantEmbedding
 
     w = runner.model.weights
@@ -94,6 +95,7 @@ def instrument(runner, timers: Timers) -> None:
         timers.wrap(module, "linear", label_of=linear_label)
         timers.wrap(module, "rms_norm", "rms_norm")
     timers.wrap(LinearGroup, "__call__", label_of=lambda group, *rest: names.get(id(group), "other linear"))
+    timers.wrap(AttentionFront, "__call__", "attention front (native, fused)")
     timers.wrap(transformer.MoETransformer, "_shared", "shared expert")
     timers.wrap(attention, "decode_attention", "attention (native)")
     timers.wrap(mla, "decode_attention", "attention (native)")

@@ -95,6 +95,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_matmul_multi", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
+        ("smk_attn_front", I, [P, P, P, P, P]),
         ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, P, I, P, ctypes.c_float, I, P, P]),
     ]:
         fn = getattr(lib, name)

@@ -45,10 +45,14 @@ struct V {
 #include "attention.inc"
 
 void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
+void f32_dot(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride, int m, float* out,
+             size_t ostride) {
+    f32_dot_impl<V>(w, wstride, r0, r1, k, x, xstride, m, out, ostride);
+}
 
 }  // namespace scalar_attn
 
-void init_attention_scalar(Kernels& k) { k.attn_unit = scalar_attn::unit; }
+void init_attention_scalar(Kernels& k) { k.attn_unit = scalar_attn::unit; k.f32_dot = scalar_attn::f32_dot; }
 
 }  // namespace smk
 

@@ -75,6 +75,10 @@ struct V {
 #include "attention.inc"
 
 void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
+void f32_dot(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride, int m, float* out,
+             size_t ostride) {
+    f32_dot_impl<V>(w, wstride, r0, r1, k, x, xstride, m, out, ostride);
+}
 
 }  // namespace avx2_attn
 }  // namespace smk
@@ -85,6 +89,6 @@ void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
 #pragma GCC pop_options
 #endif
 
-void smk::init_attention_avx2(Kernels& k) { k.attn_unit = avx2_attn::unit; }
+void smk::init_attention_avx2(Kernels& k) { k.attn_unit = avx2_attn::unit; k.f32_dot = avx2_attn::f32_dot; }
 
 #endif  // x86

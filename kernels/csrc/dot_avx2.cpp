@@ -202,10 +202,12 @@ struct TQ6 { template <int NT> static void run(const uint8_t* r, int k, const Ac
 template <class Tl>
 void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
     float res[4];
-    for (int r = r0; r < r1; ++r) {
-        const uint8_t* row = w + size_t(r) * wstride;
-        for (int t0 = 0; t0 < m; t0 += 4) {
-            const int nt = m - t0 < 4 ? m - t0 : 4;
+    // Token tiles outermost: one tile's activations stay in L1 while the chunk's rows pass by
+    // (as dot_avx512.inc's rows_driver).
+    for (int t0 = 0; t0 < m; t0 += 4) {
+        const int nt = m - t0 < 4 ? m - t0 : 4;
+        for (int r = r0; r < r1; ++r) {
+            const uint8_t* row = w + size_t(r) * wstride;
             switch (nt) {
                 case 4: Tl::template run<4>(row, k, acts + t0, res); break;
                 case 3: Tl::template run<3>(row, k, acts + t0, res); break;

@@ -111,11 +111,17 @@ struct AttnUnit {
 };
 typedef void (*AttnUnitFn)(const AttnUnit& u);
 
+// float32 weight rows [r0, r1) (row r at w + r * wstride floats, k values) against m float32
+// activation rows (row t at x + t * xstride): out[t * ostride + (r - r0)] = dot. The router's
+// product, which stays float32 (routing is where precision matters most).
+typedef void (*F32DotRowsFn)(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride,
+                             int m, float* out, size_t ostride);
 struct Kernels {
     const char* name;
     QuantizeFn quantize;
     DotRowsFn dot[64];  // by GGML type id; null: no native matmul for that type
     AttnUnitFn attn_unit;
+    F32DotRowsFn f32_dot;
 };
 
 void init_scalar(Kernels& k);

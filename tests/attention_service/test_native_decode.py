@@ -2,6 +2,10 @@
 against the torch implementation (`grouped_attention`, `latent_attention`) on the same queries and
 the same cache, so the pools, strides, slots, windows and sinks it is handed are the right ones.
 
+This is the path of MLA models and of layers without a native attention front (a weight type the
+kernels lack); the fronts, which call the same kernel from C++, are switched off here and tested
+in test_native_front.py.
+
 Whole-model logits cannot show this sharply: each quantized linear rounds its input to int8, which
 hides float32-level differences or turns one into a visible flip of a rounding step.
 """
@@ -17,6 +21,7 @@ import attention_service.mla as mla_module
 from attention_service.attention import grouped_attention
 from attention_service.mla import latent_attention
 from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from attention_service.transformer import MoETransformer
 from kernels import native
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
@@ -53,6 +58,7 @@ def checked_decode(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(attention_module, "decode_attention", both)
     monkeypatch.setattr(mla_module, "decode_attention", both)
+    monkeypatch.setattr(MoETransformer, "_native_fronts", lambda self, kv: [])
     return checked
 
 

@@ -1,0 +1,144 @@
+"""The attention half of a decode layer as one native call (kernels.decode_layer) against a float64
+reference of the same layer, on real models of every family it serves.
+
+One decode step of two sequences over a real paged cache (prefilled by the torch path); for the
+first and last layer, both the native front and the torch path it replaces compute the step from
+the same residual input and cache. The reference recomputes the layer in float64 from the exactly
+dequantized weights: norms, q/k/v with biases, q/k norm, rope (the model's own cos/sin tables),
+the new keys and values rounded to the cache's bfloat16 as both paths store them, attention over
+the cached context (sliding window, sinks), output projection, residual, the FFN norm and the
+router. The native front must be within the int8-activation distance of it, and no further than
+the torch path is.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attention_service.attention import QK_NORM_FULL, QK_NORM_PER_HEAD
+from attention_service.layers import linear, rms_norm
+from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from kernels import native
+from kernels.linear import QuantLinear
+from kernels.quants import dequantize
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
+
+FIXTURES = ["qwen3moe/qwen3moe-q8_0.gguf",  # per-head q/k norm
+            "qwen2moe/qwen2moe-q4_k_m.gguf",  # q/k/v biases, K-quants
+            "mixtral/mixtral-q8_0.gguf",  # interleaved rope
+            "olmoe/olmoe-q8_0.gguf",  # q/k norm over the whole projection
+            "gptoss/gptoss-q8_0.gguf"]  # sinks, sliding window, output and router biases
+TOL = 1.5e-2  # rel-L2: int8 activations (~0.3% per product) through two products and a softmax
+
+
+def f64(w) -> torch.Tensor | None:
+    if w is None:
+        return None
+    return (dequantize(w.qt) if isinstance(w, QuantLinear) else w).double()
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def reference(model, i: int, x: torch.Tensor, batch, pools_before: dict) -> tuple[torch.Tensor, ...]:
+    """(x after attention, the FFN's normed input, router logits) of layer i, in float64."""
+    c, att, layer = model.cfg, model.attention, model.weights.layers[i]
+    w, eps = layer.attn, c.norm_eps
+    H, G, Dk, Dv = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim
+    h = rms(x.double(), layer.attn_norm, eps)
+    proj = []
+    for weight, bias in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)):
+        y = h @ f64(weight).T
+        proj.append(y if bias is None else y + bias.double())
+    q, k, v = proj
+    if att.spec.qk_norm == QK_NORM_FULL:
+        q, k = rms(q, w.q_norm, eps), rms(k, w.k_norm, eps)
+    q, k, v = q.view(-1, H, Dk), k.view(-1, G, Dk), v.view(-1, G, Dv)
+    if att.spec.qk_norm == QK_NORM_PER_HEAD:
+        q, k = rms(q, w.q_norm, eps), rms(k, w.k_norm, eps)
+    cos, sin = (t.double() for t in att.rope.tables(batch.positions))  # [T, 1, dims], pair layout
+    d = att.rope.dims
+
+    def rope(t):
+        rot = t[..., :d]
+        swapped = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if att.rope.interleaved else \
+            torch.cat(rot.chunk(2, -1)[::-1], -1)
+        return torch.cat((rot * cos + swapped * sin, t[..., d:]), -1)
+
+    q, k = rope(q), rope(k)
+    kc, vc = pools_before["k"].double().clone(), pools_before["v"].double().clone()  # [G, slots, D]
+    kc[:, batch.new_slots] = k.to(pools_before["k"].dtype).double().transpose(0, 1)
+    vc[:, batch.new_slots] = v.to(pools_before["v"].dtype).double().transpose(0, 1)
+    window = att.window_tokens(i)
+    out = torch.zeros(x.shape[0], H, Dv, dtype=torch.float64)
+    for s in batch.seqs:
+        ctx = s.context_slots
+        own = len(ctx) - 1
+        visible = ctx[max(0, own - window + 1) if window else 0:]
+        for head in range(H):
+            g = head // (H // G)
+            scores = kc[g, visible] @ q[s.start, head] * att.scale
+            if w.sinks is not None:
+                scores = torch.cat((scores, w.sinks[head].double().view(1)))
+            p = torch.softmax(scores, 0)[: len(visible)]
+            out[s.start, head] = p @ vc[g, visible]
+    o = out.flatten(1) @ f64(w.out).T
+    x2 = x.double() + (o if w.out_bias is None else o + w.out_bias.double())
+    h2 = rms(x2, layer.ffn_norm, eps)
+    moe = layer.moe
+    logits = None if moe is None else h2 @ moe.router.double().T + (0 if moe.router_bias is None else moe.router_bias.double())
+    return x2, h2, logits
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def check(path) -> None:
+    r = ModelRunner.from_gguf(path, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                  kv_cache_tokens=256, kv_block_tokens=4))
+    vocab = r.cfg.vocab_size
+    seqs = [Sequence(0, [(7 * j + 3) % vocab for j in range(45)]), Sequence(1, [(5 * j + 1) % vocab for j in range(38)])]
+    m = r.model
+    with torch.inference_mode():
+        r.step(seqs, [44, 37])  # the prompts but their last tokens, on the torch path
+        batch = r._build_batch(seqs, [1, 1], False)
+        fronts = m._native_fronts(r.kv)
+        assert len(fronts) == len(m.weights.layers)
+        gen = torch.Generator().manual_seed(0)
+        for i in (0, len(m.weights.layers) - 1):
+            layer, pools = m.weights.layers[i], r.kv.pools(i)
+            x = torch.randn(2, r.cfg.hidden_size, generator=gen)
+            before = {name: t.clone() for name, t in pools.items()}
+            want = reference(m, i, x, batch, before)
+            fused = x.clone()
+            h_fused, logits_fused = fronts[i](m.attention.decode_step(batch), fused)
+            fused_rows = {name: t[:, batch.new_slots].double() for name, t in pools.items()}
+            for name in pools:
+                pools[name].copy_(before[name])
+            torch_x = x + m.attention(i, layer.attn, rms_norm(x, layer.attn_norm, r.cfg.norm_eps).to(m.dtype),
+                                      batch, r.kv)
+            torch_h = rms_norm(torch_x, layer.ffn_norm, r.cfg.norm_eps)
+            torch_logits = linear(torch_h, layer.moe.router, layer.moe.router_bias) if layer.moe else None
+            delta = want[0] - x.double()  # the attention's own output: the residual would hide its error
+            err_fused, err_torch = rel(fused - x, delta), rel(torch_x - x, delta)
+            assert err_fused <= TOL and err_fused <= 1.5 * err_torch + 1e-3, (i, err_fused, err_torch)
+            assert rel(h_fused, want[1]) <= TOL
+            if want[2] is not None:
+                assert rel(logits_fused, want[2]) <= TOL and rel(logits_fused, want[2]) <= 1.5 * rel(torch_logits, want[2]) + 1e-3
+            # what the cache holds for the new tokens: what the torch path writes, to int8 distance
+            for name in pools:
+                assert rel(fused_rows[name], pools[name][:, batch.new_slots].double()) <= TOL
+
+
+def test_demo_model(demo_gguf):
+    check(demo_gguf)
+
+
+@pytest.mark.parametrize("model", FIXTURES)
+def test_llama_cpp_fixtures(fixtures_dir, model):
+    check(fixtures_dir / model)
