@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+import kernels  # noqa: F401 - before torch: the runtimes' defaults (kernels/__init__.py)
 import torch
 
 
@@ -108,12 +109,13 @@ def instrument(runner, timers: Timers) -> None:
     timers.wrap(QuantEmbedding, "__getitem__", "embedding")
 
 
-def decode_tokens(runner, seq, n: int, sample) -> float:
-    """Seconds for n decode steps of `seq` (greedy)."""
+def decode_tokens(runner, seqs, n: int, sample) -> float:
+    """Seconds for n decode steps of `seqs` together (greedy)."""
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = runner.step([seq], [1])
-        seq.token_ids.append(sample(logits[0]))
+        logits = runner.step(seqs, [1] * len(seqs))
+        for seq, row in zip(seqs, logits):
+            seq.token_ids.append(sample(row))
     return time.perf_counter() - t0
 
 
@@ -133,7 +135,7 @@ def loaded(args):
                                          security=ClusterSecurity(token=cluster_token()))
         experts = RemoteExperts(GGUFFile(args.model), settings)
     runner = ModelRunner.from_gguf(args.model, RunnerOptions(dtype=getattr(torch, args.dtype), device=torch.device("cpu"),
-                                                             kv_cache_tokens=args.context + 2 * args.tokens + 64),
+                                                             kv_cache_tokens=args.streams * (args.context + 2 * args.tokens + 64)),
                                    experts=experts)
     try:
         yield runner
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch and native threads (0: torch's default)")
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed")
     p.add_argument("--context", type=int, default=64, help="prompt tokens before the timed steps")
+    p.add_argument("--streams", type=int, default=1, help="sequences decoding together (a step's rows)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the attention side's path")
     p.add_argument("--expert-services", default="", help="host:port,... (default: experts in-process)")
     p.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"], help="with --expert-services")
@@ -165,27 +168,29 @@ def main(argv: list[str] | None = None) -> int:
     sync_native_threads()
     with loaded(args) as runner, torch.inference_mode():
         cfg = runner.cfg
-        prompt = [(7 * i + 3) % cfg.vocab_size for i in range(args.context)]
-        seq = Sequence(0, list(prompt))
-        seq.token_ids.append(sample(runner.step([seq])[0]))  # the prefill
-        decode_tokens(runner, seq, 8, sample)  # warm-up
-        plain_s = decode_tokens(runner, seq, args.tokens, sample)
+        seqs = [Sequence(s, [(7 * i + 3 + s) % cfg.vocab_size for i in range(args.context)])
+                for s in range(args.streams)]
+        for seq, row in zip(seqs, runner.step(seqs)):  # the prefill
+            seq.token_ids.append(sample(row))
+        decode_tokens(runner, seqs, 8, sample)  # warm-up
+        plain_s = decode_tokens(runner, seqs, args.tokens, sample)
         timers = Timers()
         instrument(runner, timers)
         timers.wrap(sampling, "_argmax", "sampling (argmax)")
-        decode_tokens(runner, seq, 4, sample)
+        decode_tokens(runner, seqs, 4, sample)
         timers.reset()
-        wrapped_s = decode_tokens(runner, seq, args.tokens, sample)
+        wrapped_s = decode_tokens(runner, seqs, args.tokens, sample)
         timers.restore()
     n = args.tokens
-    per_token_us = {k: v / n * 1e6 for k, v in timers.total_s.items()}
+    per_token_us = {k: v / n * 1e6 for k, v in timers.total_s.items()}  # per step
     step_us = wrapped_s / n * 1e6
     accounted = sum(per_token_us.values())
     print(f"{args.model}: {cfg.arch}, {cfg.num_layers} layers, {args.dtype}, threads {torch.get_num_threads()}, "
           f"context {args.context}..{args.context + 12 + 2 * n}, experts "
           f"{'over ' + args.expert_services if args.expert_services else 'in-process'}")
-    print(f"decode step: {plain_s / n * 1e3:.2f} ms ({n / plain_s:.1f} tok/s) unwrapped, {step_us / 1e3:.2f} ms wrapped")
-    print(f"{'what':32s} {'us/token':>9s} {'us/layer':>9s} {'calls/token':>11s} {'share':>6s}")
+    print(f"decode step of {args.streams} stream(s): {plain_s / n * 1e3:.2f} ms ({n * args.streams / plain_s:.1f} tok/s) "
+          f"unwrapped, {step_us / 1e3:.2f} ms wrapped")
+    print(f"{'what':32s} {'us/step':>9s} {'us/layer':>9s} {'calls/step':>11s} {'share':>6s}")
     rows = sorted(per_token_us.items(), key=lambda kv: -kv[1]) + [("(unaccounted: Python between ops)", step_us - accounted)]
     for label, us in rows:
         calls = timers.calls.get(label, 0) / n

@@ -26,7 +26,7 @@ class BenchSettings:
     threads: int
     workload: Workload = Workload()
     baseline: str = "none"             # "llama.cpp": also run the peer
-    expert_services: int = 2
+    expert_services: int = 1            # one per NUMA node is the design (the CLI's default counts them)
     transport: str = "auto"
     dtype: str = "bfloat16"            # the attention side's (float32 is the exact reference path)
     omp_wait_policy: str = "PASSIVE"   # for the service processes; "" leaves OpenMP's default

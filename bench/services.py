@@ -26,7 +26,7 @@ from bench.workload import Prompts, Workload
 @dataclass(frozen=True, slots=True)
 class ServicesOptions:
     threads: int
-    expert_services: int = 2
+    expert_services: int = 1
     transport: str = "auto"            # the attention service's --transport
     dtype: str = "bfloat16"            # the attention service's --dtype (bfloat16: the fast path)
     omp_wait_policy: str = "PASSIVE"   # for every child; "" leaves OpenMP's default

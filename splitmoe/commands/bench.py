@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--streams", type=int, default=16, help="concurrent streams of the aggregate decode")
     r.add_argument("--stream-prompt-tokens", type=int, default=16, help="each concurrent stream's prompt length")
     r.add_argument("--seed", type=int, default=0, help="picks the prompts' token ids")
-    r.add_argument("--expert-services", type=int, default=2, metavar="N", help="expert service processes (0: "
-                   "the attention service computes the experts itself)")
+    r.add_argument("--expert-services", type=int, default=None, metavar="N",
+                   help="expert service processes (0: the attention service computes the experts itself; default: "
+                        "one per NUMA node, as the services are meant to run)")
     r.add_argument("--transport", default="auto", choices=["auto", "grpc", "shm"],
                    help="the attention service's transport to its expert services")
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
@@ -76,12 +77,14 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.workload import Workload
     from splitmoe.commands.up import usable_cpus
     from splitmoe.supervisor import ServiceFailed
+    from splitmoe.topology import numa_nodes
 
     workload = Workload(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, streams=args.streams,
                         stream_prompt_tokens=args.stream_prompt_tokens, seed=args.seed)
     settings = BenchSettings(
         model_path=args.model, threads=args.threads or usable_cpus(), workload=workload, baseline=args.baseline,
-        expert_services=args.expert_services, transport=args.transport, dtype=args.dtype,
+        expert_services=numa_nodes() if args.expert_services is None else args.expert_services,
+        transport=args.transport, dtype=args.dtype,
         omp_wait_policy="" if args.omp_wait_policy == "default" else args.omp_wait_policy,
         inprocess=args.inprocess, bandwidth_mb=args.bandwidth_mb, run_dir=args.run_dir)
     try:

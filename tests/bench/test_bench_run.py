@@ -19,6 +19,7 @@ from bench.report import add_ratios, table
 from bench.services import hop_overhead
 from bench.workload import StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, make_prompts, normal_token_ids
 from proto import attention_pb2 as pb
+from splitmoe.topology import numa_nodes
 from tests.support.processes import run_splitmoe
 
 SMALL = ["--prompt-tokens", "32", "--decode-tokens", "6", "--streams", "3", "--stream-prompt-tokens", "4",
@@ -36,7 +37,8 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
     figures = json.loads(out.read_text())
     for key in HEADLINE + IN_PROCESS + CONTEXT:
         assert isinstance(figures[key], (int, float)) and figures[key] > 0, key
-    assert figures["threads"] == 2 and figures["expert_threads"] == [1, 1] and figures["dtype"] == "bfloat16"
+    # one expert service per NUMA node by default, with every thread
+    assert figures["threads"] == 2 and figures["expert_threads"] == [2] * numa_nodes() and figures["dtype"] == "bfloat16"
     assert figures["transport"] in ("shm", "grpc")
     assert figures["touched_expert_bytes_source"] == "counted in the in-process run"
     # 3 streams of 2-of-8 experts touch between 2 and 6 distinct experts per layer
@@ -46,7 +48,8 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
     assert figures["command"].startswith("splitmoe bench run --model ")
     assert "| decode tok/s (1 stream)" in stdout and "| per-hop overhead, µs" in stdout
     assert "splitmoe services" in stdout and "% of ceiling" in stdout
-    assert {p.name for p in (tmp_path / "run").iterdir()} >= {"attention.log", "expert-0.log", "expert-1.log"}
+    logs = {"attention.log", *(f"expert-{i}.log" for i in range(numa_nodes()))}
+    assert {p.name for p in (tmp_path / "run").iterdir()} >= logs
 
 
 @pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed (the optional `bench` "
