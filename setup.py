@@ -23,6 +23,7 @@ SOURCES = [
     "kernels/csrc/attention_avx2.cpp",
     "kernels/csrc/attention_avx512.cpp",
     "kernels/csrc/decode_layer.cpp",
+    "kernels/csrc/hop_server.cpp",
 ]
 
 ext_modules = []

@@ -17,7 +17,6 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import kernels  # noqa: F401 - before torch: the runtimes' defaults (kernels/__init__.py)
 import torch
 
 

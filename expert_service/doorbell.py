@@ -21,6 +21,7 @@ import time
 import torch
 from opentelemetry import propagate, trace
 
+from expert_service.native_hops import NativeConnection
 from expert_service.shard import HostedShard
 from kernels import native
 from proto import codec, doorbell
@@ -118,46 +119,78 @@ class _Connection:
         self._hosted = hosted
         self._token = token
         self._peer: Peer = doorbell.peer_of(conn)
-        self.computing = False  # for the shutdown drain
+        self._computing = False  # for the shutdown drain (the native loop keeps its own flag)
+        self._native: NativeConnection | None = None
+        self._stopped: BaseException | None = None  # what ended the native loop from a Python answer
         self._regions: list[ShmRegion | None] = [None] * doorbell.NUM_SLOTS
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._received = bytearray(doorbell.MAX_MESSAGE_BYTES)
         self._reply = bytearray(doorbell.MAX_MESSAGE_BYTES)
+
+    @property
+    def computing(self) -> bool:
+        return self._computing or (self._native is not None and self._native.computing)
 
     def run(self) -> None:
         conn, received = self._conn, self._received
         conn.settimeout(_HANDSHAKE_TIMEOUT_S)  # a peer that never proves itself must not keep a thread
         self._handshake()
         conn.settimeout(None)
+        if self._hosted.native_hops is not None:
+            self._run_native()
+            return
         while True:
             length = conn.recv_into(received)
             if length == 0:
                 return  # the client hung up
-            start_ns = time.monotonic_ns()
-            if length < doorbell.REQUEST.size or received[0] != doorbell.KIND_FORWARD:
-                raise _ProtocolError(f"a {length}-byte message that is not a hop request")
-            (_, dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
-             announced_length, trace_length) = doorbell.REQUEST.unpack_from(received)
-            status, compute_ns, error = doorbell.STATUS_OK, 0, b""
-            try:
-                if announced_length:
-                    self._map(slot, received[doorbell.REQUEST.size:doorbell.REQUEST.size + announced_length])
-                start = doorbell.REQUEST.size + announced_length
-                traceparent = received[start:start + trace_length] if trace_length else None
-                compute_ns = self._forward_traced(traceparent, slot, layer, num_tokens, top_k, hidden_size, dtype)
-            # Whatever one request does wrong, the connection must survive for the next layer.
-            except Exception as e:  # noqa: BLE001
-                log.warning("forward layer %d: %s", layer, e)
-                status = doorbell.STATUS_ERROR
-                error = f"{type(e).__name__}: {e}".encode()[:len(self._reply) - doorbell.REPLY.size]
-            doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD, status, seq, start_ns,
-                                     time.monotonic_ns(), compute_ns)
-            size = doorbell.REPLY.size
-            if error:
-                self._reply[size:size + len(error)] = error
-                size += len(error)
-            conn.send(memoryview(self._reply)[:size])
+            self._answer(length)
             native.park()  # the attention side computes until the next hop: leave it the cores
+
+    def _run_native(self) -> None:
+        """The C++ loop answers decode hops itself and hands this connection every other message."""
+        self._native = self._hosted.native_hops.connect(self._conn.fileno())
+        rc = self._native.serve(self._answer_native)
+        if self._stopped is not None:
+            raise self._stopped
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+
+    def _answer_native(self, message: bytes) -> int:
+        try:
+            self._received[:len(message)] = message
+            self._answer(len(message))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - raised again by _run_native, outside the C++ frames
+            self._stopped = e
+            return 1
+
+    def _answer(self, length: int) -> None:
+        """Answer one hop request of `length` bytes in self._received, on the socket."""
+        conn, received = self._conn, self._received
+        start_ns = time.monotonic_ns()
+        if length < doorbell.REQUEST.size or received[0] != doorbell.KIND_FORWARD:
+            raise _ProtocolError(f"a {length}-byte message that is not a hop request")
+        (_, dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
+         announced_length, trace_length) = doorbell.REQUEST.unpack_from(received)
+        status, compute_ns, error = doorbell.STATUS_OK, 0, b""
+        try:
+            if announced_length:
+                self._map(slot, received[doorbell.REQUEST.size:doorbell.REQUEST.size + announced_length])
+            start = doorbell.REQUEST.size + announced_length
+            traceparent = received[start:start + trace_length] if trace_length else None
+            compute_ns = self._forward_traced(traceparent, slot, layer, num_tokens, top_k, hidden_size, dtype)
+        # Whatever one request does wrong, the connection must survive for the next layer.
+        except Exception as e:  # noqa: BLE001
+            log.warning("forward layer %d: %s", layer, e)
+            status = doorbell.STATUS_ERROR
+            error = f"{type(e).__name__}: {e}".encode()[:len(self._reply) - doorbell.REPLY.size]
+        doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD, status, seq, start_ns,
+                                 time.monotonic_ns(), compute_ns)
+        size = doorbell.REPLY.size
+        if error:
+            self._reply[size:size + len(error)] = error
+            size += len(error)
+        conn.send(memoryview(self._reply)[:size])
 
     def close(self) -> None:
         self._views.clear()
@@ -165,6 +198,8 @@ class _Connection:
             if region is not None:
                 region.close()
         self._conn.close()
+        if self._native is not None:
+            self._native.close()
 
     def _handshake(self) -> None:
         """The version, then the proof of the cluster secret: nothing is mapped before both."""
@@ -203,6 +238,8 @@ class _Connection:
         region = ShmRegion.attach(name, num_bytes, self._peer)
         old, self._regions[slot] = self._regions[slot], region
         self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+        if self._native is not None:  # before the old region goes: the loop must never read it again
+            self._native.set_region(slot, region.address, region.num_bytes)
         if old is not None:
             old.close()
 
@@ -222,14 +259,14 @@ class _Connection:
         if views is None:
             views = self._new_views(*key)
         hidden, expert_ids, expert_weights, output = views
-        self.computing = True
+        self._computing = True
         try:
             out, compute_s = self._hosted.forward(layer, hidden, expert_ids, expert_weights)
             if out.shape != output.shape:
                 raise ValueError(f"the shard returned {list(out.shape)} for {list(output.shape)}")
             output.copy_(out)
         finally:
-            self.computing = False
+            self._computing = False
         return int(compute_s * 1e9)
 
     def _new_views(self, slot: int, num_tokens: int, top_k: int, hidden_size: int,

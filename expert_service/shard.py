@@ -17,6 +17,8 @@ from typing import Iterable
 
 import torch
 
+from expert_service.native_hops import NativeHops
+from kernels import native
 from modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
 from modelfile.gguf_file import GGUFFile
 from modelfile.hparams import ModelConfig
@@ -52,6 +54,8 @@ class HostedShard:
         self._tokens = torch.zeros(cfg.num_layers, self.num_experts, dtype=torch.int64)
         self._lock = threading.Lock()
         self._num_requests, self._compute_s = 0, 0.0
+        # The shared-memory hop loop in C++ serves decode hops itself and counts them there.
+        self.native_hops = NativeHops(cfg.num_layers, self.num_experts) if prepare_fast and native.AVAILABLE else None
         self._shard, self._hosted = self._build(layers, experts)
 
     def describe(self) -> ShardDescription:
@@ -85,13 +89,18 @@ class HostedShard:
         """Tokens routed to each hosted (layer, expert) since start."""
         shard = self._shard
         with self._lock:
-            rows = self._tokens[list(shard.layers)][:, list(shard.experts)].tolist() if shard.experts else []
+            tokens = self._tokens if self.native_hops is None else self._tokens + self.native_hops.tokens
+            rows = tokens[list(shard.layers)][:, list(shard.experts)].tolist() if shard.experts else []
         return {ExpertKey(layer, expert): n
                 for layer, row in zip(shard.layers, rows) for expert, n in zip(shard.experts, row)}
 
     def totals(self) -> ShardTotals:
         with self._lock:
-            return ShardTotals(self._num_requests, self._compute_s)
+            requests, compute_s = self._num_requests, self._compute_s
+        if self.native_hops is not None:
+            hops, compute_ns = self.native_hops.totals.tolist()
+            requests, compute_s = requests + hops, compute_s + compute_ns * 1e-9
+        return ShardTotals(requests, compute_s)
 
     def _build(self, layers: Iterable[int] | None, experts: Iterable[int] | None) -> tuple[ExpertShard, torch.Tensor]:
         layers = self.moe_layers if layers is None else tuple(sorted(set(layers)))
@@ -106,8 +115,9 @@ class HostedShard:
         hosted = torch.zeros(self.num_experts, dtype=torch.int64)
         hosted[list(experts)] = 1
         shard = ExpertShard(self.g, layers, experts)
-        if self._prepare_fast and layers:
-            shard.prepare_fast()
+        fast = shard.prepare_fast() if self._prepare_fast and layers else {}
+        if self.native_hops is not None:
+            self.native_hops.set_layers(fast)
         return shard, hosted
 
     def _check_inputs(self, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> None:

@@ -1,20 +1,5 @@
 """CPU kernels: GGUF quant formats, the native int8 library, the experts' and linears' routes.
 
-Importing this package sets two defaults of the runtimes torch links, for this process and its
-children, unless the environment already sets them. Both are read when those runtimes load or
-first run, so `splitmoe` imports this package before torch (splitmoe/__init__.py).
+The runtime defaults these kernels are measured with (MKL's reproducible mode, sleeping OpenMP
+workers) are set by the `splitmoe` package, which every entry point imports before torch.
 """
-import os
-
-# MKL's float32 GEMM picks its kernel by thread count on some CPUs (seen on AMD Zen 5: a 9x64
-# by 64x32 product differs in the last bit between 1 and 2 threads), so the exact float32 path
-# would give other bits in a 1-thread expert service than in-process. Strict conditional
-# numerical reproducibility makes the result independent of the thread count (up to the cores;
-# oversubscribed counts still differ), at no measured cost. MKL reads this at its first BLAS
-# call, which no module of ours makes before this import.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-# torch's OpenMP threads run only small ops here; the native pool (kernels/csrc) does the heavy
-# parallel work. OpenMP workers spinning after each small op take the cores from the native
-# pool's: a 16-stream decode step took 88 ms with spinning workers, 52 ms with sleeping ones
-# (single-stream decode and prefill unchanged). libgomp reads this when torch loads it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

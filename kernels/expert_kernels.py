@@ -127,6 +127,11 @@ class FastMoELayer:
     def native_experts(self) -> int:
         return int((self._route == 1).sum())
 
+    def native_layer(self) -> "native.MoELayer | None":
+        """The native layer when every hosted expert has a native kernel, else None: what a native
+        caller may run for calls of at most `native_max_tokens` tokens, as `forward` does."""
+        return self._native if self._all_native else None
+
     def forward(self, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         """The weighted sum over hosted experts, [T, D] in hidden.dtype; other ids add nothing."""
         num_tokens, top_k = expert_ids.shape

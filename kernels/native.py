@@ -40,6 +40,8 @@ _FLOAT_TYPES = {int(T.F32): (1, 4), int(T.F16): (1, 2), int(T.BF16): (1, 2)}
 _SIZES = {int(t): tuple(v) for t, v in GGML_QUANT_SIZES.items()} | _FLOAT_TYPES  # type -> (elems, bytes)
 _native_types: frozenset[int] = frozenset()
 _ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+# smk_hop_serve's callback for the messages it does not serve itself: (context, message, length) -> 0 to go on
+HOP_FALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint8), ctypes.c_int)
 
 
 def _find_library() -> str | None:
@@ -96,6 +98,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
         ("smk_attn_front", I, [P, P, P, P, P]),
+        ("smk_hop_server_new", P, [P, I, I, P]),
+        ("smk_hop_server_free", None, [P]),
+        ("smk_hop_server_set_layers", None, [P, P, I]),
+        ("smk_hop_conn_new", P, [P, I]),
+        ("smk_hop_conn_free", None, [P]),
+        ("smk_hop_conn_set_region", None, [P, I, P, Z]),
+        ("smk_hop_conn_computing", I, [P]),
+        ("smk_hop_serve", I, [P, HOP_FALLBACK, P]),
         ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, P, I, P, ctypes.c_float, I, P, P]),
     ]:
         fn = getattr(lib, name)
@@ -362,6 +372,11 @@ class MoELayer:
         return _Expert(_ptr(g[0]), _ptr(u[0]), _ptr(d[0]), g[3], u[3], d[3],
                        int(ffn.gate.ggml_type), int(ffn.up.ggml_type), int(ffn.down.ggml_type),
                        _ACTIVATIONS[ffn.activation], biases["gate_bias"], biases["up_bias"], biases["down_bias"])
+
+    def pointers(self) -> tuple[int, int]:
+        """(the expert table's address, the expert index's address), for native callers that run this
+        layer themselves (kernels/csrc/hop_server.cpp); valid while this object lives."""
+        return ctypes.addressof(self._table), _ptr(self._index)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:

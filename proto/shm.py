@@ -98,6 +98,11 @@ class ShmRegion:
             os.close(fd)
         return cls(name, mm, owner=False)
 
+    @property
+    def address(self) -> int:
+        """Where the region is mapped in this process (for native code that reads it in place)."""
+        return self._bytes.data_ptr()
+
     def view(self, offset_bytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A writable tensor over bytes [offset, offset + size) of the region (no copy)."""
         num_bytes = tensor_nbytes(shape, dtype)

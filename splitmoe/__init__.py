@@ -1,2 +1,20 @@
-"""SplitMoE: Mixture-of-Experts serving split across an attention service and expert services."""
-import kernels  # noqa: F401 - first, before anything loads torch: it sets the runtimes' defaults
+"""SplitMoE: Mixture-of-Experts serving split across an attention service and expert services.
+
+Importing this package sets two defaults of the runtimes torch links, for this process and its
+children, unless the environment already sets them. Both are read when those runtimes load or
+first run, so every entry point imports this package before torch (`python -m splitmoe`, the
+bench modules, the tests' conftest).
+"""
+import os
+
+# MKL's float32 GEMM picks its kernel by thread count on some CPUs (seen on AMD Zen 5: a 9x64
+# by 64x32 product differs in the last bit between 1 and 2 threads), so the exact float32 path
+# would give other bits in a 1-thread expert service than in-process. Strict conditional
+# numerical reproducibility makes the result independent of the thread count (up to the cores;
+# oversubscribed counts still differ), at no measured cost. MKL reads it at its first BLAS call.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# torch's OpenMP threads run only small ops here; the native pool (kernels/csrc) does the heavy
+# parallel work. OpenMP workers spinning after each small op take the cores from the native
+# pool's: a 16-stream decode step took 88 ms with spinning workers, 52 ms with sleeping ones
+# (single-stream decode and prefill unchanged). libgomp reads it when torch loads it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

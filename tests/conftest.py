@@ -7,7 +7,7 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 sys.path.insert(0, str(REPO))  # `tests.support` importable from any rootdir
 
-import kernels  # noqa: E402,F401 - before any matmul: pins MKL's thread-count-independent mode
+import splitmoe  # noqa: E402,F401 - before torch: the runtimes' defaults (splitmoe/__init__.py)
 
 
 @pytest.fixture(scope="session")
