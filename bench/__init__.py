@@ -1,3 +1,2 @@
 """Benchmark tooling: synthetic models of real shapes, made without llama.cpp (make_model), and
 `splitmoe bench run` against the services, in-process and llama.cpp (run)."""
-import splitmoe  # noqa: F401 - before torch: the runtimes' defaults (splitmoe/__init__.py)

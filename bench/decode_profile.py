@@ -12,6 +12,7 @@ real services (the time under "experts" is then the hop: post, wait, wake-up and
 """
 from __future__ import annotations
 
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 import argparse
 import time
 from collections import defaultdict

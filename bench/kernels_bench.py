@@ -13,6 +13,7 @@ against kernels.moe.moe_forward.
 """
 from __future__ import annotations
 
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 import argparse
 import time
 

@@ -45,12 +45,15 @@ def run_baseline(model_path: str, workload: Workload, prompts: Prompts, threads:
     """Run the baseline in a child process; its llama.cpp log goes to `log_path`."""
     if not available():
         raise RuntimeError(f"--baseline llama.cpp needs the {PACKAGE} package: pip install 'splitmoe[bench]'")
+    from splitmoe import user_environment  # here, not at the top: the child imports this module too
+
     request = {"model": model_path, "threads": threads, "workload": asdict(workload), "prompts": asdict(prompts)}
     with open(log_path, "wb") as log:
         try:
+            # the user's environment: llama.cpp as it runs for them, not with our runtime defaults
             done = subprocess.run([sys.executable, "-m", "bench.llamacpp"], input=json.dumps(request).encode(),
                                   stdout=subprocess.PIPE, stderr=log, timeout=timeout_s,
-                                  cwd=Path(__file__).resolve().parents[1])
+                                  cwd=Path(__file__).resolve().parents[1], env=user_environment())
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the llama.cpp baseline did not finish within {timeout_s:g} s (log: {log_path})") from None
     if done.returncode != 0:

@@ -16,6 +16,7 @@ next as two pipelined halves (micro_batches=2), alternating, so that drift hits 
 """
 from __future__ import annotations
 
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 import argparse
 import json
 import os

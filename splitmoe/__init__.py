@@ -7,14 +7,32 @@ bench modules, the tests' conftest).
 """
 import os
 
-# MKL's float32 GEMM picks its kernel by thread count on some CPUs (seen on AMD Zen 5: a 9x64
-# by 64x32 product differs in the last bit between 1 and 2 threads), so the exact float32 path
-# would give other bits in a 1-thread expert service than in-process. Strict conditional
-# numerical reproducibility makes the result independent of the thread count (up to the cores;
-# oversubscribed counts still differ), at no measured cost. MKL reads it at its first BLAS call.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-# torch's OpenMP threads run only small ops here; the native pool (kernels/csrc) does the heavy
-# parallel work. OpenMP workers spinning after each small op take the cores from the native
-# pool's: a 16-stream decode step took 88 ms with spinning workers, 52 ms with sleeping ones
-# (single-stream decode and prefill unchanged). libgomp reads it when torch loads it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+RUNTIME_DEFAULTS = {
+    # MKL's float32 GEMM picks its kernel by thread count on some CPUs (seen on AMD Zen 5: a 9x64
+    # by 64x32 product differs in the last bit between 1 and 2 threads), so the exact float32 path
+    # would give other bits in a 1-thread expert service than in-process. Strict conditional
+    # numerical reproducibility makes it independent of the thread count (up to the cores;
+    # oversubscribed counts still differ), at no measured cost. Read at MKL's first BLAS call.
+    "MKL_CBWR": "AUTO,STRICT",
+    # torch's OpenMP threads run only small ops here; the native pool (kernels/csrc) does the heavy
+    # parallel work. OpenMP workers spinning after each small op take the cores from the native
+    # pool's: a 16-stream decode step took 88 ms with spinning workers, 52 ms with sleeping ones
+    # (single-stream decode and prefill unchanged). Read when torch loads libgomp.
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+# What the environment said before this import: a peer run for comparison (bench/llamacpp.py,
+# whose OpenMP threads must spin at every graph barrier) gets the user's environment, not ours.
+USER_ENV = {name: os.environ.get(name) for name in RUNTIME_DEFAULTS}
+for _name, _value in RUNTIME_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
+
+
+def user_environment() -> dict[str, str]:
+    """This process's environment as the user gave it: without the defaults set above."""
+    env = dict(os.environ)
+    for name, value in USER_ENV.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
