@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from bench.workload import (Prompts, StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s,
@@ -35,6 +35,7 @@ class Measured:
     prefill_s: float          # the max_tokens=1 request, prompt sent to token received
     decode_s: float           # single stream, first token to last
     decode16_s: float         # the concurrent streams, first token of any to last of all
+    sweep_tok_s: dict[int, float] = field(default_factory=dict)  # more stream counts: aggregate decode
 
 
 async def measure(engine: BenchEngine, workload: Workload, prompts: Prompts,
@@ -52,11 +53,16 @@ async def measure(engine: BenchEngine, workload: Workload, prompts: Prompts,
     engine.mark(STREAMS_START)
     streams = await asyncio.gather(*(generate_timed(engine, ids, w.decode_tokens) for ids in prompts.streams))
     engine.mark(STREAMS_END)
+    sweep = {}
+    for n in w.sweep:
+        say(f"    {n} concurrent streams (the curve)")
+        runs = await asyncio.gather(*(generate_timed(engine, ids, w.decode_tokens) for ids in prompts.streams[:n]))
+        sweep[n] = aggregate_decode_tok_s(list(runs))
     return Measured(
         prefill_tok_s=prefill_tok_s(len(prompts.prefill), prefill), ttft_s=single.ttft_s,
         decode_tok_s=decode_tok_s(single), decode16_tok_s=aggregate_decode_tok_s(list(streams)),
         prefill_s=prefill.token_s[-1] - prefill.start_s, decode_s=single.token_s[-1] - single.token_s[0],
-        decode16_s=max(s.token_s[-1] for s in streams) - min(s.token_s[0] for s in streams))
+        decode16_s=max(s.token_s[-1] for s in streams) - min(s.token_s[0] for s in streams), sweep_tok_s=sweep)
 
 
 async def generate_timed(engine: BenchEngine, ids: list[int], max_tokens: int,

@@ -19,7 +19,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.workload import Prompts, Workload
@@ -38,6 +38,7 @@ class LlamaCppResult:
     decode_tok_s: float
     decode16_tok_s: float
     version: str
+    sweep_tok_s: dict = field(default_factory=dict)  # more stream counts (Workload.sweep): aggregate decode
 
 
 def run_baseline(model_path: str, workload: Workload, prompts: Prompts, threads: int, log_path: Path,
@@ -61,7 +62,9 @@ def run_baseline(model_path: str, workload: Workload, prompts: Prompts, threads:
         raise RuntimeError(f"the llama.cpp baseline exited with code {done.returncode}; last lines of {log_path}:\n"
                            + "\n".join("    " + line for line in tail))
     lines = done.stdout.decode(errors="replace").strip().splitlines()
-    return LlamaCppResult(**json.loads(lines[-1]))  # the last line: llama.cpp may print before it
+    result = json.loads(lines[-1])  # the last line: llama.cpp may print before it
+    result["sweep_tok_s"] = {int(n): v for n, v in result.get("sweep_tok_s", {}).items()}  # JSON made them text
+    return LlamaCppResult(**result)
 
 
 # ---- the child ----------------------------------------------------------------------------------
@@ -152,21 +155,26 @@ def measure_llamacpp(model_path: str, threads: int, workload: Workload, prompts:
             token = llm.decode([(token, pos, 0, True)])[0]
         decode_s = time.perf_counter() - start
 
-        # Concurrent streams: one KV sequence each (llama.cpp splits n_ctx evenly between them).
-        per_seq = _round_up(w.stream_prompt_tokens + w.decode_tokens, 256)
-        llm.new_context(n_ctx=w.streams * per_seq, n_batch=max(512, w.streams * w.stream_prompt_tokens),
-                        n_seq_max=w.streams)
-        tokens = llm.decode([e for s, ids in enumerate(prompts.streams) for e in _prompt(ids, s)])
-        start = time.perf_counter()
-        for pos in range(w.stream_prompt_tokens, w.stream_prompt_tokens + w.decode_tokens - 1):
-            tokens = llm.decode([(t, pos, s, True) for s, t in enumerate(tokens)])
-        decode16_s = time.perf_counter() - start
+        decode16_tok_s = _batched_decode_tok_s(llm, w, prompts.streams)
+        sweep = {n: _batched_decode_tok_s(llm, w, prompts.streams[:n]) for n in w.sweep}
     finally:
         llm.close()
     return LlamaCppResult(prefill_tok_s=w.prompt_tokens / prefill_s, ttft_s=ttft_s,
-                          decode_tok_s=(w.decode_tokens - 1) / decode_s,
-                          decode16_tok_s=w.streams * (w.decode_tokens - 1) / decode16_s,
-                          version=getattr(llama_cpp, "__version__", "unknown"))
+                          decode_tok_s=(w.decode_tokens - 1) / decode_s, decode16_tok_s=decode16_tok_s,
+                          version=getattr(llama_cpp, "__version__", "unknown"), sweep_tok_s=sweep)
+
+
+def _batched_decode_tok_s(llm: _Llama, w: Workload, streams: list[list[int]]) -> float:
+    """Concurrent streams, one KV sequence each (llama.cpp splits n_ctx evenly between them), one
+    batch per step holding a token of every sequence, as llama-batched-bench does."""
+    per_seq = _round_up(w.stream_prompt_tokens + w.decode_tokens, 256)
+    llm.new_context(n_ctx=len(streams) * per_seq, n_batch=max(512, len(streams) * w.stream_prompt_tokens),
+                    n_seq_max=len(streams))
+    tokens = llm.decode([e for s, ids in enumerate(streams) for e in _prompt(ids, s)])
+    start = time.perf_counter()
+    for pos in range(w.stream_prompt_tokens, w.stream_prompt_tokens + w.decode_tokens - 1):
+        tokens = llm.decode([(t, pos, s, True) for s, t in enumerate(tokens)])
+    return len(streams) * (w.decode_tokens - 1) / (time.perf_counter() - start)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -177,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(description="the llama.cpp baseline of `splitmoe bench run`: a JSON request on stdin "
                                         "(model, threads, workload, prompts), a JSON result on stdout").parse_args(argv)
     request = json.load(sys.stdin)
-    result = measure_llamacpp(request["model"], request["threads"], Workload(**request["workload"]),
-                              Prompts(**request["prompts"]))
+    workload = request["workload"]
+    workload["sweep"] = tuple(workload.get("sweep", ()))
+    result = measure_llamacpp(request["model"], request["threads"], Workload(**workload), Prompts(**request["prompts"]))
     print("\n" + json.dumps(asdict(result)), flush=True)
     return 0
 

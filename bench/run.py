@@ -84,6 +84,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     lap("services")
     wall["services_startup"] = services.startup_s  # part of "services"
     detail = {"services": asdict(m), "wall_s": wall}
+    curves = {"services": _curve(m, w)}
     figures: dict = {"prefill_tok_s": m.prefill_tok_s, "decode_tok_s": m.decode_tok_s,
                      "decode16_tok_s": m.decode16_tok_s, "ttft_s": m.ttft_s, "hop_us": services.hop_us,
                      "hop_us_method": services.hop_method}
@@ -98,6 +99,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         im = inproc.measured
         say(_summary(im, w))
         detail["inprocess"] = asdict(im)
+        curves["inprocess"] = _curve(im, w)
         figures |= {"inprocess_prefill_tok_s": im.prefill_tok_s, "inprocess_decode_tok_s": im.decode_tok_s,
                     "inprocess_decode16_tok_s": im.decode16_tok_s, "inprocess_ttft_s": im.ttft_s}
         if inproc.touched_expert_bytes_per_step is not None:
@@ -112,6 +114,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         base = run_baseline(s.model_path, w, prompts, s.threads, run_dir / "llamacpp.log")
         lap("llamacpp")
         say(_summary(base, w))
+        curves["llamacpp"] = _curve(base, w)
         figures |= {"llamacpp_prefill_tok_s": base.prefill_tok_s, "llamacpp_decode_tok_s": base.decode_tok_s,
                     "llamacpp_decode16_tok_s": base.decode16_tok_s, "llamacpp_ttft_s": base.ttft_s,
                     "llamacpp_version": base.version}
@@ -128,7 +131,8 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         "transport": services.transport, "omp_wait_policy": s.omp_wait_policy or "default",
         "bandwidth_gb_s": bandwidth, "expert_bytes_per_token": expert_bytes.per_token,
         "touched_expert_bytes_per_step16": touched, "touched_expert_bytes_source": touched_source,
-        "dense_bytes_per_token": dense, "native_isa": native_isa(),
+        "dense_bytes_per_token": dense, "native_isa": native_isa(), "cpu": cpu_model(),
+        "decode_curve_tok_s": curves,
         "workload": asdict(w), "detail": detail, "run_dir": str(run_dir), "command": command_line(s),
         "wall_s": time.perf_counter() - started,
     }
@@ -136,6 +140,11 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
     add_ratios(figures)
     return figures
+
+
+def _curve(m, w: Workload) -> dict[int, float]:
+    """Aggregate decode tok/s by concurrent streams: 1, the sweep's, and `streams`."""
+    return dict(sorted({1: m.decode_tok_s, w.streams: m.decode16_tok_s, **m.sweep_tok_s}.items()))
 
 
 def _summary(m, w: Workload) -> str:
@@ -159,6 +168,12 @@ def command_line(s: BenchSettings) -> str:
     if not s.inprocess:
         args.append("--no-inprocess")
     return shlex.join(args)
+
+
+def cpu_model() -> str:
+    from kernels.cpu_features import cpu_model as model
+
+    return model()
 
 
 def native_isa() -> str | None:

@@ -23,6 +23,8 @@ class Workload:
     streams: int = 16                 # concurrent streams of the aggregate decode
     stream_prompt_tokens: int = 16    # each concurrent stream's own short prompt
     seed: int = 0
+    # More concurrent-stream counts to decode at (the curve of `--plot`), besides 1 and `streams`.
+    sweep: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.stream_prompt_tokens < 1:
@@ -32,6 +34,9 @@ class Workload:
                              f"got {self.decode_tokens}")
         if self.streams < 1:
             raise ValueError(f"--streams must be >= 1, got {self.streams}")
+        object.__setattr__(self, "sweep", tuple(sorted({int(n) for n in self.sweep} - {1, self.streams})))
+        if any(not 1 < n < self.streams for n in self.sweep):
+            raise ValueError(f"sweep stream counts must lie between 1 and --streams {self.streams}: {self.sweep}")
 
     def kv_tokens(self) -> int:
         """KV cache tokens one engine needs for the largest phase, rounded up to 256."""

@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CPU threads (default: the CPUs this process may use): the expert services split T, the "
                         "attention service gets T (the two sides take turns); in-process and llama.cpp use T")
     r.add_argument("--json", default="", metavar="OUT", help="also write every figure to this JSON file (default: none)")
+    r.add_argument("--plot", default="", metavar="PNG",
+                   help="also decode at 2, 4 and 8 streams and draw tok/s against streams for every engine "
+                        "(default: no plot)")
     r.add_argument("--baseline", default="none", choices=["none", "llama.cpp"],
                    help="llama.cpp: run the peer on the same file and threads (needs `pip install 'splitmoe[bench]'`)")
     r.add_argument("--prompt-tokens", type=int, default=512, help="prefill / time-to-first-token prompt length")
@@ -79,8 +82,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitmoe.supervisor import ServiceFailed
     from splitmoe.topology import numa_nodes
 
+    sweep = tuple(n for n in (2, 4, 8) if n < args.streams) if args.plot else ()
     workload = Workload(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, streams=args.streams,
-                        stream_prompt_tokens=args.stream_prompt_tokens, seed=args.seed)
+                        stream_prompt_tokens=args.stream_prompt_tokens, seed=args.seed, sweep=sweep)
     settings = BenchSettings(
         model_path=args.model, threads=args.threads or usable_cpus(), workload=workload, baseline=args.baseline,
         expert_services=numa_nodes() if args.expert_services is None else args.expert_services,
@@ -104,4 +108,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(figures, args.json)
         print(f"figures: {args.json}")
+    if args.plot:
+        from bench.plot import plot_decode_curve
+
+        print(f"plot: {plot_decode_curve(figures, args.plot)}")
     return 0

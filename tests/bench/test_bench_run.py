@@ -33,8 +33,14 @@ CONTEXT = ("ceiling_decode_tok_s", "ceiling_decode16_tok_s", "bandwidth_gb_s", "
 def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(demo_gguf, tmp_path):
     out = tmp_path / "figures.json"
     stdout = run_splitmoe("bench", "run", "--model", str(demo_gguf), "--threads", "2", "--json", str(out),
-                          "--run-dir", str(tmp_path / "run"), *SMALL, timeout_s=120)
+                          "--run-dir", str(tmp_path / "run"), "--plot", str(tmp_path / "curve.png"), *SMALL,
+                          timeout_s=120)
     figures = json.loads(out.read_text())
+    # --plot: every engine also decoded at 2 streams (the sweep's counts below --streams 3)
+    assert {engine: sorted(curve) for engine, curve in figures["decode_curve_tok_s"].items()} == \
+        {"services": ["1", "2", "3"], "inprocess": ["1", "2", "3"]}
+    assert figures["decode_curve_tok_s"]["services"]["3"] == figures["decode16_tok_s"]
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for key in HEADLINE + IN_PROCESS + CONTEXT:
         assert isinstance(figures[key], (int, float)) and figures[key] > 0, key
     # one expert service per NUMA node by default, with every thread

@@ -1,0 +1,44 @@
+"""`splitmoe bench run --plot FILE.png`: decode tok/s against concurrent streams, one line per
+engine (the services, in-process, llama.cpp), from one run's figures."""
+from __future__ import annotations
+
+from pathlib import Path
+
+ENGINES = (("services", "SplitMoE services", "tab:blue", "o"), ("inprocess", "SplitMoE in-process", "tab:green", "s"),
+           ("llamacpp", "llama.cpp", "tab:red", "^"))
+
+
+def plot_decode_curve(figures: dict, path: str | Path) -> Path:
+    """Draw figures["decode_curve_tok_s"] ({engine: {streams: tok/s}}) to a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+
+    curves = figures["decode_curve_tok_s"]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for key, label, color, marker in ENGINES:
+        curve = curves.get(key)
+        if not curve:
+            continue
+        streams = sorted(curve)
+        ax.plot(streams, [curve[n] for n in streams], label=label, color=color, marker=marker, linewidth=2)
+        for n in streams:
+            ax.annotate(f"{curve[n]:.0f}", (n, curve[n]), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=7, color=color)
+    all_streams = sorted({n for c in curves.values() for n in c})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(all_streams, [str(n) for n in all_streams])
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("decode tok/s (all streams together)")
+    model = Path(figures.get("model", "?")).name
+    ax.set_title(f"{model}, {figures.get('threads', '?')} threads, {figures.get('cpu', '')}".rstrip(", "), fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

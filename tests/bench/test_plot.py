@@ -1,0 +1,21 @@
+"""bench.plot and the workload's stream-count sweep, on figures made up for the test."""
+import pytest
+
+from bench.plot import plot_decode_curve
+from bench.workload import Workload
+
+
+def test_the_curve_of_every_engine_is_drawn(tmp_path):
+    figures = {"model": "/m/q3_6l.gguf", "threads": 2, "cpu": "Some CPU",
+               "decode_curve_tok_s": {"services": {1: 110.0, 2: 150.0, 16: 250.0},
+                                      "inprocess": {1: 120.0, 2: 170.0, 16: 280.0},
+                                      "llamacpp": {1: 100.0, 2: 140.0, 16: 210.0}}}
+    out = plot_decode_curve(figures, tmp_path / "sub" / "curve.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_sweep_counts_lie_between_one_and_the_streams():
+    assert Workload(streams=16, sweep=(8, 2, 4, 2, 1, 16)).sweep == (2, 4, 8)
+    with pytest.raises(ValueError, match="between 1 and --streams"):
+        Workload(streams=4, sweep=(8,))
