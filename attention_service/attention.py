@@ -54,6 +54,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
                              window_tokens=window_tokens, sinks=sinks, first_position=first_position)
 
 
+def host_positions(q_positions: torch.Tensor) -> list[int] | None:
+    """The query positions as host ints, which let each chunk of queries skip keys; None on an
+    accelerator, where reading them would sync: there every chunk takes the whole context, masked."""
+    return q_positions.tolist() if q_positions.device.type == "cpu" else None
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                       scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
                       first_position: int = 0) -> torch.Tensor:
@@ -81,9 +87,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         return out if out.dtype == q.dtype else out.to(q.dtype)
     qf = qf.reshape(T, G, R, D).transpose(0, 1).reshape(G, T * R, D)
     out = torch.empty(G, T * R, Dv, dtype=torch.float32, device=q.device)
-    # Host-side positions let each chunk skip keys; on an accelerator that would sync, so there
-    # every chunk takes the whole context, masked.
-    positions = q_positions.tolist() if q_positions.device.type == "cpu" else None
+    positions = host_positions(q_positions)
     sink = None if sinks is None else sinks.float().view(G, 1, R, 1)
     step = max(1, SCORES_PER_CHUNK // max(1, H * C))
     for t0 in range(0, T, step):

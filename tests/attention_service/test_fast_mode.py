@@ -173,3 +173,36 @@ def test_rope_is_the_pairwise_rotation(dims, head_dim, interleaved):
     assert torch.equal(rope(x, positions), want)  # bit for bit
     assert torch.equal(rope(x, positions), want)  # from the tables kept for these positions
     assert torch.equal(rope(x[:2], positions[:2]), want[:2])  # other positions, new tables
+
+
+@pytest.mark.parametrize("T,C,window,first,sinks", [(1, 40, 0, 0, False), (7, 40, 0, 0, True), (13, 50, 16, 5, True)])
+def test_the_accelerators_masked_attention_equals_the_cpus(T, C, window, first, sinks, monkeypatch):
+    """On CUDA the query positions never come to the host: every chunk attends over the whole
+    context under a mask. That branch, forced on CPU tensors, gives the CPU branch's result."""
+    g = torch.Generator().manual_seed(T + C)
+    H, G, D = 8, 2, 16
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(C, G, D, generator=g), torch.randn(C, G, 12, generator=g)
+    positions = torch.arange(first + C - T, first + C)
+    s = torch.randn(H, generator=g) if sinks else None
+    on_cpu = attention(q, k, v, positions, 0.3, window_tokens=window, sinks=s, first_position=first)
+    monkeypatch.setattr(attn_mod, "host_positions", lambda q_positions: None)
+    masked = attention(q, k, v, positions, 0.3, window_tokens=window, sinks=s, first_position=first)
+    torch.testing.assert_close(masked, on_cpu, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_on_an_accelerator_are_dense_in_the_model_dtype(demo_gguf):
+    """Off the CPU (the `meta` device stands in for CUDA: shapes and dtypes, no data) no weight is
+    kept quantized: the native kernels are CPU code, so every linear and the embedding are dense."""
+    from attention_service.models import arch_spec
+    from attention_service.weights import load_weights
+    from modelfile.gguf_file import GGUFFile
+    from modelfile.hparams import ModelConfig
+
+    g = GGUFFile(demo_gguf)
+    spec = arch_spec(g.arch, g.path.name)
+    weights = load_weights(g, spec, ModelConfig.from_gguf(g, spec.hparam_defaults), torch.bfloat16, torch.device("meta"))
+    layer = weights.layers[0]
+    for w in (weights.token_embedding, weights.output, layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.out):
+        assert isinstance(w, torch.Tensor) and w.device.type == "meta" and w.dtype == torch.bfloat16
+    assert layer.attn.qkv._fused is None  # the fused native call is CPU-only
+    assert layer.moe.router.dtype == torch.float32 and layer.attn_norm.device.type == "meta"
