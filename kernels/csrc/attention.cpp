@@ -38,17 +38,14 @@ struct V {
     static float hsum(vf v) { return v; }
     static float hmax(vf v) { return v; }
     static void hsum8(const vf* a, float* out) { for (int i = 0; i < 8; ++i) out[i] = a[i]; }
-    static vf exp(vf x) { return std::exp(x); }
-    static float exp1(float x) { return std::exp(x); }
+    static vf mul(vf a, vf b) { return a * b; }
+    static vf fnmadd(vf a, vf b, vf c) { return c - a * b; }
+    static vf min(vf a, vf b) { return a < b ? a : b; }
+    static vf round(vf x) { return std::nearbyint(x); }
+    static vf pow2(vf n) { return std::ldexp(1.f, int(n)); }
 };
 
 #include "attention.inc"
-
-void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
-void f32_dot(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride, int m, float* out,
-             size_t ostride) {
-    f32_dot_impl<V>(w, wstride, r0, r1, k, x, xstride, m, out, ostride);
-}
 
 }  // namespace scalar_attn
 

@@ -52,33 +52,16 @@ struct V {
         s = _mm_max_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
-    // As attention_avx512.cpp's exp, 8 lanes.
-    static vf exp(vf x) {
-        x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
-        const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-        r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-        vf p = _mm256_set1_ps(1.9875691500e-4f);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-        p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+    static vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+    static vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+    static vf round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static vf pow2(vf n) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
     }
-    static float exp1(float x) { return std::exp(x); }
 };
 
 #include "attention.inc"
-
-void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
-void f32_dot(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride, int m, float* out,
-             size_t ostride) {
-    f32_dot_impl<V>(w, wstride, r0, r1, k, x, xstride, m, out, ostride);
-}
 
 }  // namespace avx2_attn
 }  // namespace smk

@@ -44,35 +44,16 @@ struct V {
         const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
         _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
     }
-    // e^x for x <= 88 (softmax only feeds x <= 0): x = n ln2 + r, |r| <= ln2/2, e^r by Cephes'
-    // expf polynomial, 2^n through the exponent bits. Below -87.3 it returns e^-87.3 (~1e-38),
-    // nothing next to the row maximum's 1.
-    static vf exp(vf x) {
-        x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
-        const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-        r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-        vf p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-        return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+    static vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+    static vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+    static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static vf pow2(vf n) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
     }
-    static float exp1(float x) { return std::exp(x); }
 };
 
 #include "attention.inc"
-
-void unit(const AttnUnit& u) { attn_unit_impl<V>(u); }
-void f32_dot(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride, int m, float* out,
-             size_t ostride) {
-    f32_dot_impl<V>(w, wstride, r0, r1, k, x, xstride, m, out, ostride);
-}
 
 }  // namespace avx512_attn
 }  // namespace smk
