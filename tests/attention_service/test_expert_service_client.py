@@ -110,7 +110,9 @@ def test_killed_service_fails_fast_others_keep_serving_and_a_restart_is_picked_u
     assert not backend.health()[high].healthy
     backend.forward(1, *routing([0, 3]))  # experts on the live service still answer
     services.restart("high")  # comes back empty: the client loads experts 4-7 into it again
-    time.sleep(FAST["reconnect_interval_s"])
+    deadline_s = time.monotonic() + 10  # the reconnect interval, plus a loaded machine's restart
+    while not backend.health()[high].healthy and time.monotonic() < deadline_s:
+        time.sleep(FAST["reconnect_interval_s"] / 4)
     assert torch.equal(backend.forward(1, hidden, ids, weights), expected)
     assert backend.health()[high].healthy and backend.health()[high].shard.experts == (4, 5, 6, 7)
 
