@@ -7,9 +7,17 @@ the baseline x86-64 ISA; the AVX2 / AVX-512 / AVX-512 VNNI kernels are compiled 
 with target attributes and chosen at run time from the CPU's features (never -march=native: the
 same wheel or image must run on any x86-64 machine).
 """
+import os
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+# One namespace in site-packages: the design card's top-level folders become splitmoe.<folder>
+# (splitmoe/__init__.py does the same for a source checkout).
+PRODUCT = ("kernels", "proto", "modelfile", "attention_service", "expert_service", "gateway", "bench")
+package_dir = {"splitmoe": "splitmoe", **{f"splitmoe.{p}": p for p in PRODUCT}}
+packages = ["splitmoe", *find_packages(include=["splitmoe.*"]),
+            *(f"splitmoe.{p}{'.' + sub if sub else ''}" for p in PRODUCT for sub in ["", *find_packages(where=p)])]
 
 SOURCES = [
     "kernels/csrc/runtime.cpp",
@@ -27,10 +35,12 @@ SOURCES = [
 ]
 
 ext_modules = []
-if sys.platform.startswith("linux") or sys.platform == "darwin":
+# SPLITMOE_BUILD_NATIVE=0 leaves the library out (the package then runs on the torch fallback): for
+# builds that check the package's layout, not its speed.
+if (sys.platform.startswith("linux") or sys.platform == "darwin") and os.environ.get("SPLITMOE_BUILD_NATIVE") != "0":
     ext_modules.append(
         Extension(
-            "kernels._native",
+            "splitmoe.kernels._native",
             sources=SOURCES,
             depends=["kernels/csrc/smk.h", "kernels/csrc/dot_avx512.inc", "kernels/csrc/attention.inc"],
             language="c++",
@@ -45,4 +55,4 @@ if sys.platform.startswith("linux") or sys.platform == "darwin":
         )
     )
 
-setup(ext_modules=ext_modules)
+setup(ext_modules=ext_modules, package_dir=package_dir, packages=packages)

@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attention_service.batch import SeqSlice, StepBatch
-from attention_service.kv_cache import KVCache
-from attention_service.layers import Rope, linear, rms_norm, softmax_scale
-from attention_service.weight_loader import WeightLoader
-from kernels import native
-from kernels.decode_attention import decode_attention
-from kernels.decode_layer import AttentionFront, DecodeStep
-from kernels.linear import LinearGroup, LinearWeight, QuantLinear
-from modelfile.hparams import ModelConfig
+from splitmoe.attention_service.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.kv_cache import KVCache
+from splitmoe.attention_service.layers import Rope, linear, rms_norm, softmax_scale
+from splitmoe.attention_service.weight_loader import WeightLoader
+from splitmoe.kernels import native
+from splitmoe.kernels.decode_attention import decode_attention
+from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep
+from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantLinear
+from splitmoe.modelfile.hparams import ModelConfig
 
 if TYPE_CHECKING:
-    from attention_service.models.base import ArchSpec
+    from splitmoe.attention_service.models.base import ArchSpec
 
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.

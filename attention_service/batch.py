@@ -6,7 +6,7 @@ from functools import cached_property
 
 import torch
 
-from kernels.decode_attention import AttentionContext
+from splitmoe.kernels.decode_attention import AttentionContext
 
 
 @dataclass(frozen=True)

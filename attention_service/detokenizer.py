@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from modelfile.tokenizer import Tokenizer
+from splitmoe.modelfile.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
 

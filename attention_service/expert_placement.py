@@ -10,7 +10,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from modelfile.experts import ExpertKey, format_ranges
+from splitmoe.modelfile.experts import ExpertKey, format_ranges
 
 NO_OWNER = -1
 

@@ -20,10 +20,10 @@ from typing import Callable
 import grpc
 import torch
 
-from attention_service.expert_placement import ServiceShard
-from attention_service.expert_transport import GrpcLink, HopFailed, Link, ShmLink, Ticket
-from modelfile.experts import ExpertKey
-from proto import expert_pb2, expert_pb2_grpc
+from splitmoe.attention_service.expert_placement import ServiceShard
+from splitmoe.attention_service.expert_transport import GrpcLink, HopFailed, Link, ShmLink, Ticket
+from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.cluster_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from proto import codec, doorbell, expert_pb2, expert_pb2_grpc
-from proto.shm import ShmRegion
+from splitmoe.proto import codec, doorbell, expert_pb2, expert_pb2_grpc
+from splitmoe.proto.shm import ShmRegion
 from splitmoe.telemetry import inject_grpc_metadata
 
 _END_OF_REQUESTS = object()

@@ -23,14 +23,14 @@ from typing import Protocol, Sequence
 import grpc
 import torch
 
-from attention_service.expert_placement import (ExpertsUnavailable, Placement, ServiceShard, assign_empty_services,
+from splitmoe.attention_service.expert_placement import (ExpertsUnavailable, Placement, ServiceShard, assign_empty_services,
                                                 format_keys)
-from attention_service.expert_split import OwnerTable, ServicePart, add_part, split_by_service, unfinished_work
-from attention_service.expert_service_client import (ConnectionSettings, ExpertRequestError, ExpertServiceClient,
+from splitmoe.attention_service.expert_split import OwnerTable, ServicePart, add_part, split_by_service, unfinished_work
+from splitmoe.attention_service.expert_service_client import (ConnectionSettings, ExpertRequestError, ExpertServiceClient,
                                                      Hop, HopFailed)
-from kernels import native
-from modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
-from modelfile.gguf_file import GGUFFile
+from splitmoe.kernels import native
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
+from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.cluster_auth import ClusterSecurity
 
 __all__ = ["ExpertBackend", "ExpertsHandle", "Ready", "InProcessExperts", "RemoteExperts", "RemoteExpertsSettings",

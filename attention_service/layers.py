@@ -10,8 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import QuantLinear, linear  # noqa: F401 - re-exported: the one linear every layer uses
-from modelfile.hparams import RopeScaling
+from splitmoe.kernels.linear import QuantLinear, linear  # noqa: F401 - re-exported: the one linear every layer uses
+from splitmoe.modelfile.hparams import RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attention_service.attention import use_native_decode
-from attention_service.batch import StepBatch
-from attention_service.kv_cache import KVCache
-from attention_service.layers import Rope, linear, rms_norm, softmax_scale
-from attention_service.weight_loader import WeightLoader
-from kernels.decode_attention import decode_attention
-from kernels.linear import LinearWeight, QuantLinear
-from modelfile.gguf_file import GGUFError
-from modelfile.hparams import ModelConfig, RopeScaling
+from splitmoe.attention_service.attention import use_native_decode
+from splitmoe.attention_service.batch import StepBatch
+from splitmoe.attention_service.kv_cache import KVCache
+from splitmoe.attention_service.layers import Rope, linear, rms_norm, softmax_scale
+from splitmoe.attention_service.weight_loader import WeightLoader
+from splitmoe.kernels.decode_attention import decode_attention
+from splitmoe.kernels.linear import LinearWeight, QuantLinear
+from splitmoe.modelfile.gguf_file import GGUFError
+from splitmoe.modelfile.hparams import ModelConfig, RopeScaling
 
 if TYPE_CHECKING:
-    from attention_service.models.base import ArchSpec
+    from splitmoe.attention_service.models.base import ArchSpec
 
 LATENT_ENTRY = "latent"  # the KV cache entry: [normed latent (L) | roped shared key (R)] per token
 # At most this many float32 scores [rows, C] at once: queries are taken in chunks of rows.

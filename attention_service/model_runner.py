@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention_service.batch import SeqSlice, StepBatch
-from attention_service.block_manager import BlockManager
-from attention_service.experts_client import ExpertBackend, InProcessExperts
-from attention_service.kv_cache import KVCache
-from attention_service.models import arch_spec
-from attention_service.transformer import MoETransformer
-from attention_service.weights import load_weights
-from modelfile.gguf_file import GGUFFile
-from modelfile.hparams import ModelConfig
+from splitmoe.attention_service.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.block_manager import BlockManager
+from splitmoe.attention_service.experts_client import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.kv_cache import KVCache
+from splitmoe.attention_service.models import arch_spec
+from splitmoe.attention_service.transformer import MoETransformer
+from splitmoe.attention_service.weights import load_weights
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.hparams import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

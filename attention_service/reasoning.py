@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
-from attention_service.detokenizer import Detokenizer
-from modelfile.tokenizer import Tokenizer
+from splitmoe.attention_service.detokenizer import Detokenizer
+from splitmoe.modelfile.tokenizer import Tokenizer
 
 HARMONY, THINK = "harmony", "think"
 HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")

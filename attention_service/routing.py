@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
+from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
 
 
 def route(router_logits: torch.Tensor, top_k: int, gating: str, renormalize: bool,

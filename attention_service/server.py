@@ -21,13 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-from attention_service.request import RequestOutput
-from attention_service.sampling import SamplingOptions
-from attention_service.scheduler import QueueFull
-from attention_service.service import ServingModel, classify_error, load_serving_model
-from attention_service.settings import AttentionSettings
-from proto import attention_pb2 as pb
-from proto import attention_pb2_grpc
+from splitmoe.attention_service.request import RequestOutput
+from splitmoe.attention_service.sampling import SamplingOptions
+from splitmoe.attention_service.scheduler import QueueFull
+from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
+from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.proto import attention_pb2 as pb
+from splitmoe.proto import attention_pb2_grpc
 from splitmoe.telemetry import extract_grpc_context, tracer
 
 log = logging.getLogger(__name__)

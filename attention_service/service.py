@@ -14,19 +14,19 @@ from typing import Any
 
 import torch
 
-from attention_service.engine import Engine
-from attention_service.experts_client import (ExpertBackend, ExpertsUnavailable, InProcessExperts, RemoteExperts,
+from splitmoe.attention_service.engine import Engine
+from splitmoe.attention_service.experts_client import (ExpertBackend, ExpertsUnavailable, InProcessExperts, RemoteExperts,
                                               RemoteExpertsSettings)
-from attention_service.model_runner import (DTYPES, ModelRunner, RunnerOptions, Sequence, check_experts_per_token,
+from splitmoe.attention_service.model_runner import (DTYPES, ModelRunner, RunnerOptions, Sequence, check_experts_per_token,
                                            default_device)
-from attention_service.reasoning import ReasoningFormat, detect_reasoning_format, output_text
-from attention_service.request import GenerationRequest, OutputSink
-from attention_service.sampling import RequestSampler, SamplingOptions
-from attention_service.scheduler import Scheduler
-from attention_service.settings import AttentionSettings
-from modelfile.chat_template import ChatTemplate
-from modelfile.gguf_file import GGUFFile
-from modelfile.tokenizer import Tokenizer
+from splitmoe.attention_service.reasoning import ReasoningFormat, detect_reasoning_format, output_text
+from splitmoe.attention_service.request import GenerationRequest, OutputSink
+from splitmoe.attention_service.sampling import RequestSampler, SamplingOptions
+from splitmoe.attention_service.scheduler import Scheduler
+from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.modelfile.chat_template import ChatTemplate
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from attention_service.attention import use_native_decode
-from attention_service.batch import StepBatch
-from attention_service.experts_client import ExpertBackend, ExpertsHandle
-from attention_service.kv_cache import KVCache
-from attention_service.layers import linear, rms_norm, swiglu
-from attention_service.models.base import ArchSpec
-from attention_service.routing import limit_experts, route
-from attention_service.weights import LayerWeights, ModelWeights
-from modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
+from splitmoe.attention_service.attention import use_native_decode
+from splitmoe.attention_service.batch import StepBatch
+from splitmoe.attention_service.experts_client import ExpertBackend, ExpertsHandle
+from splitmoe.attention_service.kv_cache import KVCache
+from splitmoe.attention_service.layers import linear, rms_norm, swiglu
+from splitmoe.attention_service.models.base import ArchSpec
+from splitmoe.attention_service.routing import limit_experts, route
+from splitmoe.attention_service.weights import LayerWeights, ModelWeights
+from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
 
 
 class _PendingFFN:

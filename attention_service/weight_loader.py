@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import QuantEmbedding, QuantLinear, is_block_quantized
-from kernels.quants import QuantTensor, dequantize
-from modelfile.gguf_file import GGUFFile
+from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, is_block_quantized
+from splitmoe.kernels.quants import QuantTensor, dequantize
+from splitmoe.modelfile.gguf_file import GGUFFile
 
 Shape = tuple[int, ...]
 

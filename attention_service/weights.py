@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
-from attention_service.weight_loader import WeightLoader
-from kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
-from modelfile.experts import expert_tensor_names, moe_layers
-from modelfile.gguf_file import GGUFError, GGUFFile
-from modelfile.hparams import ModelConfig
+from splitmoe.attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
+from splitmoe.attention_service.weight_loader import WeightLoader
+from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
+from splitmoe.modelfile.experts import expert_tensor_names, moe_layers
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
+from splitmoe.modelfile.hparams import ModelConfig
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from modelfile.experts import expert_count, load_layer_experts, moe_layers
-from modelfile.gguf_file import GGUFFile
-from modelfile.hparams import ModelConfig
+from splitmoe.modelfile.experts import expert_count, load_layer_experts, moe_layers
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.hparams import ModelConfig
 
 
 def read_bandwidth_gb_s(threads: int, buffer_mb: int = 1024, repeats: int = 5) -> float:

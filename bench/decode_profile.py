@@ -1,7 +1,7 @@
 """Where a decode token's time goes: every op of the attention side and the experts, per token.
 
-    python -m bench.decode_profile --model q3_6l.gguf --threads 2 [--tokens 64] [--context 64]
-    SPLITMOE_CLUSTER_TOKEN=... python -m bench.decode_profile --model q3_6l.gguf --expert-services 127.0.0.1:50061
+    python -m splitmoe.bench.decode_profile --model q3_6l.gguf --threads 2 [--tokens 64] [--context 64]
+    SPLITMOE_CLUSTER_TOKEN=... python -m splitmoe.bench.decode_profile --model q3_6l.gguf --expert-services 127.0.0.1:50061
 
 Runs the model's own decode steps (one stream, greedy) with the functions that make up a step
 wrapped by timers, after a prompt of `--context` tokens, and prints each one's microseconds per
@@ -63,11 +63,11 @@ class Timers:
 
 def instrument(runner, timers: Timers) -> None:
     """Wrap the pieces of a decode step of `runner` (a ModelRunner)."""
-    from attention_service import attention, mla, transformer
-    from attention_service.kv_cache import KVCache
-    from attention_service.layers import Rope
-    from kernels.decode_layer import AttentionFront
-    from kernels.linear import LinearGroup, QuantEmbedding
+    from splitmoe.attention_service import attention, mla, transformer
+    from splitmoe.attention_service.kv_cache import KVCache
+    from splitmoe.attention_service.layers import Rope
+    from splitmoe.kernels.decode_layer import AttentionFront
+    from splitmoe.kernels.linear import LinearGroup, QuantEmbedding
 
     w = runner.model.weights
     names = {id(w.output): "lm_head"}
@@ -121,12 +121,12 @@ def decode_tokens(runner, seqs, n: int, sample) -> float:
 
 @contextmanager
 def loaded(args):
-    from attention_service.model_runner import ModelRunner, RunnerOptions
+    from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions
 
     experts = None
     if args.expert_services:
-        from attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
-        from modelfile.gguf_file import GGUFFile
+        from splitmoe.attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
+        from splitmoe.modelfile.gguf_file import GGUFFile
 
         from splitmoe.cluster_auth import ClusterSecurity
         from splitmoe.settings import cluster_token
@@ -145,7 +145,7 @@ def loaded(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.decode_profile", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m splitmoe.bench.decode_profile", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="GGUF file")
     p.add_argument("--threads", type=int, default=0, help="torch and native threads (0: torch's default)")
@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from attention_service import sampling
-    from attention_service.model_runner import Sequence
-    from kernels.expert_kernels import sync_native_threads
+    from splitmoe.attention_service import sampling
+    from splitmoe.attention_service.model_runner import Sequence
+    from splitmoe.kernels.expert_kernels import sync_native_threads
 
     def sample(row: torch.Tensor) -> int:
         return sampling._argmax(row)  # looked up at each call: the timers wrap it

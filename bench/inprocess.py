@@ -12,9 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from bench.ceiling import ExpertBytes, RecordingExperts
-from bench.driver import STREAMS_END, STREAMS_START, Measured, measure
-from bench.workload import Prompts, Workload
+from splitmoe.bench.ceiling import ExpertBytes, RecordingExperts
+from splitmoe.bench.driver import STREAMS_END, STREAMS_START, Measured, measure
+from splitmoe.bench.workload import Prompts, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +28,9 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
     """g: the model's GGUFFile, already open (opening parses the whole vocabulary: seconds)."""
     import torch
 
-    from attention_service.experts_client import InProcessExperts
-    from attention_service.service import load_serving_model
-    from attention_service.settings import AttentionSettings
+    from splitmoe.attention_service.experts_client import InProcessExperts
+    from splitmoe.attention_service.service import load_serving_model
+    from splitmoe.attention_service.settings import AttentionSettings
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -50,14 +50,14 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
 
 
 class InProcessEngine:
-    """bench.driver's engine over attention_service.engine.Engine; a token's time is taken on the
+    """splitmoe.bench.driver's engine over attention_service.engine.Engine; a token's time is taken on the
     engine thread as the step hands it out."""
 
     def __init__(self, model, recorder: RecordingExperts):
         self.model, self.recorder = model, recorder
 
     async def generate(self, ids: list[int], max_tokens: int) -> AsyncIterator[float]:
-        from attention_service.sampling import SamplingOptions
+        from splitmoe.attention_service.sampling import SamplingOptions
 
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()

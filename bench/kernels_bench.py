@@ -1,7 +1,7 @@
 """Native quantized-matmul kernels against the pure-torch path (dequantize, then matmul).
 
-    python -m bench.kernels_bench                    # the default table, well under 30 s
-    python -m bench.kernels_bench --threads 1 --m 1 8 --formats Q4_K Q6_K
+    python -m splitmoe.bench.kernels_bench                    # the default table, well under 30 s
+    python -m splitmoe.bench.kernels_bench --threads 1 --m 1 8 --formats Q4_K Q6_K
 
 GB/s counts the quantized weight bytes read per second: the number that matters for decode,
 where each token must stream every active weight once. Each timing cycles through enough
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels import native
-from kernels.moe import ExpertFFN, moe_forward
-from kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels import native
+from splitmoe.kernels.moe import ExpertFFN, moe_forward
+from splitmoe.kernels.quants import QuantTensor, dequantize
 
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: ()}
@@ -107,7 +107,7 @@ def bench_moe(tokens: list[int], hosted: int, torch_baseline: bool, rows: list) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.kernels_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m splitmoe.bench.kernels_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4"])
     p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows (tokens)")
     p.add_argument("--n", type=int, default=768, help="weight rows per matrix")

@@ -1,7 +1,7 @@
 """The peer: llama.cpp on the same file, thread count and workload, through `llama-cpp-python`'s
 low-level API (the optional `bench` extra), the way llama-batched-bench drives it.
 
-It runs in a child process (`python -m bench.llamacpp`): llama.cpp's own thread pool and its
+It runs in a child process (`python -m splitmoe.bench.llamacpp`): llama.cpp's own thread pool and its
 stderr chatter stay out of the benchmark process, and its memory is returned when it exits. The
 child prints one JSON object on stdout.
 
@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.workload import Prompts, Workload
+from splitmoe.bench.workload import Prompts, Workload
 
 PACKAGE = "llama-cpp-python"
 
@@ -52,7 +52,7 @@ def run_baseline(model_path: str, workload: Workload, prompts: Prompts, threads:
     with open(log_path, "wb") as log:
         try:
             # the user's environment: llama.cpp as it runs for them, not with our runtime defaults
-            done = subprocess.run([sys.executable, "-m", "bench.llamacpp"], input=json.dumps(request).encode(),
+            done = subprocess.run([sys.executable, "-m", "splitmoe.bench.llamacpp"], input=json.dumps(request).encode(),
                                   stdout=subprocess.PIPE, stderr=log, timeout=timeout_s,
                                   cwd=Path(__file__).resolve().parents[1], env=user_environment())
         except subprocess.TimeoutExpired:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from bench.workload import Workload, make_prompts, normal_token_ids
+from splitmoe.bench.workload import Workload, make_prompts, normal_token_ids
 
 BASELINES = ("none", "llama.cpp")
 
@@ -47,9 +47,9 @@ class BenchSettings:
 
 def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> dict:
     """Every figure, as the JSON that `--json` writes; see report.table for the printed form."""
-    from bench.ceiling import ExpertBytes, ceiling_tok_s, dense_bytes_per_token, read_bandwidth_gb_s
-    from bench.services import ServicesOptions, run_services
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.bench.ceiling import ExpertBytes, ceiling_tok_s, dense_bytes_per_token, read_bandwidth_gb_s
+    from splitmoe.bench.services import ServicesOptions, run_services
+    from splitmoe.modelfile.gguf_file import GGUFFile
     from splitmoe.commands.up import _make_run_dir
 
     started = time.perf_counter()
@@ -57,7 +57,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     if not Path(s.model_path).is_file():
         raise ValueError(f"{s.model_path}: no such file")
     if s.baseline == "llama.cpp":
-        from bench.llamacpp import PACKAGE, available
+        from splitmoe.bench.llamacpp import PACKAGE, available
 
         if not available():  # before minutes of measuring, not after
             raise ValueError(f"--baseline llama.cpp needs the {PACKAGE} package: pip install 'splitmoe[bench]'")
@@ -91,7 +91,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
     touched, touched_source = None, "uniform-routing estimate"
     if s.inprocess:
-        from bench.inprocess import run_inprocess
+        from splitmoe.bench.inprocess import run_inprocess
 
         say("  in-process: the same engine, experts in this process")
         inproc = run_inprocess(g, w, prompts, s.threads, s.dtype, expert_bytes, say)
@@ -108,7 +108,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         touched = expert_bytes.uniform_estimate_per_step(w.streams)
 
     if s.baseline == "llama.cpp":
-        from bench.llamacpp import run_baseline
+        from splitmoe.bench.llamacpp import run_baseline
 
         say("  llama.cpp: the same file, threads and workload")
         base = run_baseline(s.model_path, w, prompts, s.threads, run_dir / "llamacpp.log")
@@ -136,7 +136,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         "workload": asdict(w), "detail": detail, "run_dir": str(run_dir), "command": command_line(s),
         "wall_s": time.perf_counter() - started,
     }
-    from bench.report import add_ratios
+    from splitmoe.bench.report import add_ratios
 
     add_ratios(figures)
     return figures
@@ -171,7 +171,7 @@ def command_line(s: BenchSettings) -> str:
 
 
 def cpu_model() -> str:
-    from kernels.cpu_features import cpu_model as model
+    from splitmoe.kernels.cpu_features import cpu_model as model
 
     return model()
 
@@ -179,7 +179,7 @@ def cpu_model() -> str:
 def native_isa() -> str | None:
     """The ISA the native expert kernels were built for, when kernels.native exists and loaded."""
     try:
-        from kernels import native
+        from splitmoe.kernels import native
     except ImportError:
         return None
     try:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, Measured, measure
-from bench.workload import Prompts, Workload
+from splitmoe.bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, Measured, measure
+from splitmoe.bench.workload import Prompts, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +99,10 @@ def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -
 
 async def _drive(supervisor, address: str, security, workload: Workload, prompts: Prompts, options: ServicesOptions,
                  say: Callable[[str], None]) -> tuple[Measured, HopOverhead | None]:
-    from gateway.attention_client import AttentionClient
-    from gateway.settings import GatewaySettings
+    from splitmoe.gateway.attention_client import AttentionClient
+    from splitmoe.gateway.settings import GatewaySettings
 
-    from proto.attention_pb2_grpc import AttentionServiceStub
+    from splitmoe.proto.attention_pb2_grpc import AttentionServiceStub
 
     client = AttentionClient(GatewaySettings(attention_address=address, request_timeout_s=options.request_timeout_s,
                                              cluster=security))
@@ -143,7 +143,7 @@ def _check_children(supervisor) -> None:
 
 
 class ServicesEngine:
-    """bench.driver's engine over the AttentionService's Generate stream: one message per token.
+    """splitmoe.bench.driver's engine over the AttentionService's Generate stream: one message per token.
     GetStats is called through the generated stub, so fields newer than the gateway's own
     AttentionStats (the transport's per-hop figures) are seen too."""
 
@@ -152,11 +152,11 @@ class ServicesEngine:
         self._snapshots: dict[str, asyncio.Task] = {}
 
     async def generate(self, ids: list[int], max_tokens: int) -> AsyncIterator[float]:
-        from gateway.attention_types import GenerateParams, SamplingParams
+        from splitmoe.gateway.attention_types import GenerateParams, SamplingParams
 
         params = GenerateParams(request_id=f"bench-{uuid.uuid4().hex[:12]}", prompt=tuple(ids),
                                 sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        from gateway.attention_client import AttentionError
+        from splitmoe.gateway.attention_client import AttentionError
 
         count = 0
         try:
@@ -173,7 +173,7 @@ class ServicesEngine:
     def mark(self, moment: str) -> None:
         # Snapshots run beside the stream (a task), so reading tokens never waits for them.
         if moment in (SINGLE_FIRST_TOKEN, SINGLE_END):
-            from proto import attention_pb2 as pb
+            from splitmoe.proto import attention_pb2 as pb
 
             self._snapshots[moment] = asyncio.ensure_future(self.stats_stub.GetStats(pb.AttentionStatsRequest(),
                                                                                      timeout=60.0))

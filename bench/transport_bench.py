@@ -1,4 +1,4 @@
-"""Per-hop cost of the attention -> expert transports: `python -m bench.transport_bench` (< 30 s).
+"""Per-hop cost of the attention -> expert transports: `python -m splitmoe.bench.transport_bench` (< 30 s).
 
 One expert service process with a trivial expert (the output is the input: no compute) and one
 client process, over loopback: for each transport (grpc: tensors as bytes in the Forward
@@ -52,7 +52,7 @@ class TrivialShard:
     g = _StubFile()
 
     def describe(self):
-        from expert_service.shard import ShardDescription
+        from splitmoe.expert_service.shard import ShardDescription
 
         return ShardDescription((0,), tuple(range(TOP_K)), 0)
 
@@ -66,7 +66,7 @@ class TrivialShard:
         return {}
 
     def totals(self):
-        from expert_service.shard import ShardTotals
+        from splitmoe.expert_service.shard import ShardTotals
 
         return ShardTotals(0, 0.0)
 
@@ -74,8 +74,8 @@ class TrivialShard:
 def serve() -> None:
     import torch
 
-    from expert_service.server import ExpertServer
-    from expert_service.settings import ExpertServiceSettings
+    from splitmoe.expert_service.server import ExpertServer
+    from splitmoe.expert_service.settings import ExpertServiceSettings
 
     torch.set_num_threads(1)
     server = ExpertServer(ExpertServiceSettings(Path("transport-bench.gguf"), port=0), TrivialShard())
@@ -92,7 +92,7 @@ class Cells:
     def __init__(self, address: str):
         import torch
 
-        from attention_service.expert_service_client import ConnectionSettings, ExpertServiceClient
+        from splitmoe.attention_service.expert_service_client import ConnectionSettings, ExpertServiceClient
 
         torch.set_num_threads(1)
         self.clients = {}
@@ -188,9 +188,9 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
                   transport: str) -> None:
     import torch
 
-    from attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
-    from attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
+    from splitmoe.attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence
+    from splitmoe.modelfile.gguf_file import GGUFFile
     from tests.support.expert_services import ExpertServices
     from tests.support.processes import CLUSTER
 

@@ -21,11 +21,11 @@ import time
 import torch
 from opentelemetry import propagate, trace
 
-from expert_service.native_hops import NativeConnection
-from expert_service.shard import HostedShard
-from kernels import native
-from proto import codec, doorbell
-from proto.shm import Peer, ShmRegion
+from splitmoe.expert_service.native_hops import NativeConnection
+from splitmoe.expert_service.shard import HostedShard
+from splitmoe.kernels import native
+from splitmoe.proto import codec, doorbell
+from splitmoe.proto.shm import Peer, ShmRegion
 from splitmoe.telemetry import tracer
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from kernels import native
+from splitmoe.kernels import native
 
 _P = ctypes.c_void_p
 

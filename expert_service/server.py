@@ -20,12 +20,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from expert_service.doorbell import DoorbellServer
-from expert_service.settings import ExpertServiceSettings
-from expert_service.shard import HostedShard, ShardDescription
-from kernels import native
-from modelfile.experts import format_ranges
-from proto import codec, expert_pb2, expert_pb2_grpc
+from splitmoe.expert_service.doorbell import DoorbellServer
+from splitmoe.expert_service.settings import ExpertServiceSettings
+from splitmoe.expert_service.shard import HostedShard, ShardDescription
+from splitmoe.kernels import native
+from splitmoe.modelfile.experts import format_ranges
+from splitmoe.proto import codec, expert_pb2, expert_pb2_grpc
 from splitmoe.telemetry import extract_grpc_context, tracer
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from typing import Iterable
 
 import torch
 
-from expert_service.native_hops import NativeHops
-from kernels import native
-from modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
-from modelfile.gguf_file import GGUFFile
-from modelfile.hparams import ModelConfig
+from splitmoe.expert_service.native_hops import NativeHops
+from splitmoe.kernels import native
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.hparams import ModelConfig
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)

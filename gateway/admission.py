@@ -10,7 +10,7 @@ other clients' small requests cancelled that way.
 """
 from __future__ import annotations
 
-from gateway.openai_types import ErrorResponse, error_response
+from splitmoe.gateway.openai_types import ErrorResponse, error_response
 
 
 class Refused(Exception):

@@ -25,14 +25,14 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admission import Admission
-from gateway.attention_client import AttentionClient, AttentionError
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.openai_types import (
+from splitmoe.gateway.admission import Admission
+from splitmoe.gateway.attention_client import AttentionClient, AttentionError
+from splitmoe.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from splitmoe.gateway.openai_types import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, error_response, validation_error,
 )
-from gateway.serving import ChatHandler, CompletionHandler, OpsHandler, ServedModel
-from gateway.settings import GatewaySettings
+from splitmoe.gateway.serving import ChatHandler, CompletionHandler, OpsHandler, ServedModel
+from splitmoe.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.attention_types import (
+from splitmoe.gateway.attention_types import (
     AttentionStats, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, Prompt, SamplingParams,
     ScoreParams, ScoreResult, TokenLogprob, TopLogprob, Usage,
 )
-from gateway.settings import GatewaySettings
-from proto import attention_pb2 as pb
-from proto.attention_pb2_grpc import AttentionServiceStub
+from splitmoe.gateway.settings import GatewaySettings
+from splitmoe.proto import attention_pb2 as pb
+from splitmoe.proto.attention_pb2_grpc import AttentionServiceStub
 from splitmoe.telemetry import inject_grpc_metadata
 
 # The attention service's status codes, as the HTTP status the gateway answers with; any other is a 500.

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.attention_types import AttentionStats
+from splitmoe.gateway.attention_types import AttentionStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets (v1/metrics/loggers.py), so dashboards built for vLLM read ours unchanged.

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
-from gateway.attention_types import ChatPrompt, ChatTurn, GenerateParams, SamplingParams, ScoreParams
+from splitmoe.gateway.attention_types import ChatPrompt, ChatTurn, GenerateParams, SamplingParams, ScoreParams
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from gateway.admission import Admission, Refused, Ticket
-from gateway.attention_client import AttentionClient, AttentionError
-from gateway.attention_types import GenerateChunk, GenerateParams, ModelInfo, ScoreResult, TokenLogprob, TopLogprob
-from gateway.metrics import GatewayMetrics, RequestTimer
-from gateway.openai_types import (
+from splitmoe.gateway.admission import Admission, Refused, Ticket
+from splitmoe.gateway.attention_client import AttentionClient, AttentionError
+from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, ModelInfo, ScoreResult, TokenLogprob, TopLogprob
+from splitmoe.gateway.metrics import GatewayMetrics, RequestTimer
+from splitmoe.gateway.openai_types import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProb, ChatCompletionLogProbsContent,
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice, ChatResponseMessage, CompletionChoice,
     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorResponse, ModelCard, ModelList,

@@ -6,7 +6,7 @@ float32 elsewhere: oneDNN emulates bfloat16 on plain AVX-512, 2-3x slower than f
 
 SPLITMOE_GEMM_DTYPE=float32 (or bfloat16) overrides that choice for a process, so that a machine
 with native bfloat16 also runs, and tests, the float32 path a machine without it takes (as
-SPLITMOE_KERNELS_ISA lowers the native kernels' instruction set). `python -m kernels.cpu_features`
+SPLITMOE_KERNELS_ISA lowers the native kernels' instruction set). `python -m splitmoe.kernels.cpu_features`
 prints what this machine has and which paths it takes.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def describe() -> str:
     lines = [f"cpu: {cpu_model()} ({os.cpu_count()} logical cores)",
              "flags: " + " ".join(f"{name}={'yes' if name in flags else 'no'}" for name in FLAGS_THAT_MATTER)]
     try:
-        from kernels import native
+        from splitmoe.kernels import native
         isa = native.isa() if native.AVAILABLE else f"unavailable ({native.UNAVAILABLE_REASON})"
     except Exception as e:  # noqa: BLE001 - a report, not a check
         isa = f"unavailable ({e})"

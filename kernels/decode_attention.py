@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from kernels import native
+from splitmoe.kernels import native
 
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 30}
 

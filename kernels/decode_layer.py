@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
-from kernels.decode_attention import AttentionContext
-from kernels.linear import QuantLinear
+from splitmoe.kernels import native
+from splitmoe.kernels.decode_attention import AttentionContext
+from splitmoe.kernels.linear import QuantLinear
 
 _QK_NORMS = {"none": 0, "per_head": 1, "full": 2}
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 30}

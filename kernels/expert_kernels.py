@@ -27,14 +27,14 @@ from typing import Mapping
 
 import torch
 
-from kernels import int4pack
-from kernels.cpu_features import gemm_dtype
-from kernels.int4pack import Int4Expert
-from kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
-from kernels.quants import QuantTensor, dequantize as ref_dequantize
+from splitmoe.kernels import int4pack
+from splitmoe.kernels.cpu_features import gemm_dtype
+from splitmoe.kernels.int4pack import Int4Expert
+from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
+from splitmoe.kernels.quants import QuantTensor, dequantize as ref_dequantize
 
 try:
-    from kernels import native
+    from splitmoe.kernels import native
 except ImportError as e:  # the module itself missing: treat as a library that did not build
     native = None
     _NATIVE_IMPORT_ERROR = f"kernels.native not importable: {e}"

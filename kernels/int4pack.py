@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels.moe import ExpertFFN
-from kernels.quants import QuantTensor
+from splitmoe.kernels.moe import ExpertFFN
+from splitmoe.kernels.quants import QuantTensor
 
 GROUP = 32
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_1), int(T.Q4_K)})

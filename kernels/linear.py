@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from kernels.cpu_features import gemm_dtype
-from kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.cpu_features import gemm_dtype
+from splitmoe.kernels.quants import QuantTensor, dequantize
 
 log = logging.getLogger("splitmoe.kernels")
 
@@ -57,7 +57,7 @@ def native():
     global _native_module
     if _native_module is _UNSET:
         try:
-            from kernels import native as module
+            from splitmoe.kernels import native as module
         except Exception as e:  # noqa: BLE001 - a broken native module must not stop serving
             log.warning("kernels.native cannot be imported, using the torch fallback: %s", e)
             module = None

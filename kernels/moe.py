@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.quants import QuantTensor, dequantize
 
 
 # The gated activation between up/gate and down: act(gate, up) -> [n, ffn].

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels.quants import QuantTensor
+from splitmoe.kernels.quants import QuantTensor
 
 log = logging.getLogger("splitmoe.kernels")
 

@@ -29,9 +29,9 @@ from typing import Iterable, Mapping
 
 import torch
 
-from kernels.int4pack import GROUP, Int4Expert, Int4Weight, repack_expert
-from kernels.moe import ExpertFFN
-from kernels.quants import QuantTensor
+from splitmoe.kernels.int4pack import GROUP, Int4Expert, Int4Weight, repack_expert
+from splitmoe.kernels.moe import ExpertFFN
+from splitmoe.kernels.quants import QuantTensor
 
 log = logging.getLogger("splitmoe.kernels")
 

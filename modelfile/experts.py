@@ -17,14 +17,14 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
-from kernels import expert_kernels as ek
-from kernels.cpu_features import gemm_dtype
-from kernels.int4pack import can_repack
-from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
-from kernels.quants import QuantTensor, dequantize
-from kernels.repack_cache import RepackCache, load_or_repack, tensor_digest
-from modelfile.gguf_file import GGUFError, GGUFFile
-from modelfile.hparams import ModelConfig
+from splitmoe.kernels import expert_kernels as ek
+from splitmoe.kernels.cpu_features import gemm_dtype
+from splitmoe.kernels.int4pack import can_repack
+from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
+from splitmoe.kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.repack_cache import RepackCache, load_or_repack, tensor_digest
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
+from splitmoe.modelfile.hparams import ModelConfig
 
 log = logging.getLogger("splitmoe.experts")
 _FAST_DTYPES = (torch.bfloat16, torch.float16)

@@ -36,7 +36,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
-from kernels.quants import QuantTensor, check_supported
+from splitmoe.kernels.quants import QuantTensor, check_supported
 
 
 class GGUFError(ValueError):

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from modelfile.gguf_file import GGUFError, GGUFFile
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 
 GATING_SOFTMAX, GATING_SIGMOID = "softmax", "sigmoid"
 GATING_SOFTMAX_WEIGHT = "softmax_weight"  # softmax over the chosen top-k logits only (gpt-oss)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import attention_pb2 as proto_dot_attention__pb2
+from splitmoe.proto import attention_pb2 as splitmoe_dot_proto_dot_attention__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/attention_pb2_grpc.py depends on'
+        + ' but the generated code in splitmoe/proto/attention_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class AttentionServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitmoe.v1.AttentionService/Generate',
-                request_serializer=proto_dot_attention__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_attention__pb2.GenerateResponse.FromString,
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Score = channel.unary_unary(
                 '/splitmoe.v1.AttentionService/Score',
-                request_serializer=proto_dot_attention__pb2.ScoreRequest.SerializeToString,
-                response_deserializer=proto_dot_attention__pb2.ScoreResponse.FromString,
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.ScoreResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/splitmoe.v1.AttentionService/ModelInfo',
-                request_serializer=proto_dot_attention__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_attention__pb2.ModelInfoResponse.FromString,
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/splitmoe.v1.AttentionService/GetStats',
-                request_serializer=proto_dot_attention__pb2.AttentionStatsRequest.SerializeToString,
-                response_deserializer=proto_dot_attention__pb2.AttentionStats.FromString,
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStatsRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStats.FromString,
                 _registered_method=True)
 
 
@@ -88,23 +88,23 @@ def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_attention__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_attention__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.GenerateRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.GenerateResponse.SerializeToString,
             ),
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
-                    request_deserializer=proto_dot_attention__pb2.ScoreRequest.FromString,
-                    response_serializer=proto_dot_attention__pb2.ScoreResponse.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.ScoreRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.ScoreResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=proto_dot_attention__pb2.ModelInfoRequest.FromString,
-                    response_serializer=proto_dot_attention__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.ModelInfoRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.ModelInfoResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=proto_dot_attention__pb2.AttentionStatsRequest.FromString,
-                    response_serializer=proto_dot_attention__pb2.AttentionStats.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStatsRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,8 +132,8 @@ class AttentionService:
             request,
             target,
             '/splitmoe.v1.AttentionService/Generate',
-            proto_dot_attention__pb2.GenerateRequest.SerializeToString,
-            proto_dot_attention__pb2.GenerateResponse.FromString,
+            splitmoe_dot_proto_dot_attention__pb2.GenerateRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,8 +159,8 @@ class AttentionService:
             request,
             target,
             '/splitmoe.v1.AttentionService/Score',
-            proto_dot_attention__pb2.ScoreRequest.SerializeToString,
-            proto_dot_attention__pb2.ScoreResponse.FromString,
+            splitmoe_dot_proto_dot_attention__pb2.ScoreRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class AttentionService:
             request,
             target,
             '/splitmoe.v1.AttentionService/ModelInfo',
-            proto_dot_attention__pb2.ModelInfoRequest.SerializeToString,
-            proto_dot_attention__pb2.ModelInfoResponse.FromString,
+            splitmoe_dot_proto_dot_attention__pb2.ModelInfoRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class AttentionService:
             request,
             target,
             '/splitmoe.v1.AttentionService/GetStats',
-            proto_dot_attention__pb2.AttentionStatsRequest.SerializeToString,
-            proto_dot_attention__pb2.AttentionStats.FromString,
+            splitmoe_dot_proto_dot_attention__pb2.AttentionStatsRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.AttentionStats.FromString,
             options,
             channel_credentials,
             insecure,

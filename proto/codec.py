@@ -10,8 +10,8 @@ import warnings
 
 import torch
 
-from proto import tensor_pb2
-from proto.shm import tensor_nbytes
+from splitmoe.proto import tensor_pb2
+from splitmoe.proto.shm import tensor_nbytes
 
 if sys.byteorder != "little":
     raise ImportError("proto.codec: the wire format is little-endian; big-endian hosts are not supported")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.shm import Peer, align_up, tensor_nbytes
+from splitmoe.proto.shm import Peer, align_up, tensor_nbytes
 
 VERSION = 2
 MAGIC = b"SMDB"

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import expert_pb2 as proto_dot_expert__pb2
+from splitmoe.proto import expert_pb2 as splitmoe_dot_proto_dot_expert__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/expert_pb2_grpc.py depends on'
+        + ' but the generated code in splitmoe/proto/expert_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class ExpertServiceStub:
         """
         self.DescribeShard = channel.unary_unary(
                 '/splitmoe.v1.ExpertService/DescribeShard',
-                request_serializer=proto_dot_expert__pb2.DescribeShardRequest.SerializeToString,
-                response_deserializer=proto_dot_expert__pb2.ShardInfo.FromString,
+                request_serializer=splitmoe_dot_proto_dot_expert__pb2.DescribeShardRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_expert__pb2.ShardInfo.FromString,
                 _registered_method=True)
         self.LoadShard = channel.unary_unary(
                 '/splitmoe.v1.ExpertService/LoadShard',
-                request_serializer=proto_dot_expert__pb2.LoadShardRequest.SerializeToString,
-                response_deserializer=proto_dot_expert__pb2.ShardInfo.FromString,
+                request_serializer=splitmoe_dot_proto_dot_expert__pb2.LoadShardRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_expert__pb2.ShardInfo.FromString,
                 _registered_method=True)
         self.Forward = channel.stream_stream(
                 '/splitmoe.v1.ExpertService/Forward',
-                request_serializer=proto_dot_expert__pb2.ExpertRequest.SerializeToString,
-                response_deserializer=proto_dot_expert__pb2.ExpertResponse.FromString,
+                request_serializer=splitmoe_dot_proto_dot_expert__pb2.ExpertRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_expert__pb2.ExpertResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/splitmoe.v1.ExpertService/GetStats',
-                request_serializer=proto_dot_expert__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_expert__pb2.ExpertStats.FromString,
+                request_serializer=splitmoe_dot_proto_dot_expert__pb2.StatsRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_expert__pb2.ExpertStats.FromString,
                 _registered_method=True)
 
 
@@ -90,23 +90,23 @@ def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'DescribeShard': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeShard,
-                    request_deserializer=proto_dot_expert__pb2.DescribeShardRequest.FromString,
-                    response_serializer=proto_dot_expert__pb2.ShardInfo.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_expert__pb2.DescribeShardRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_expert__pb2.ShardInfo.SerializeToString,
             ),
             'LoadShard': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadShard,
-                    request_deserializer=proto_dot_expert__pb2.LoadShardRequest.FromString,
-                    response_serializer=proto_dot_expert__pb2.ShardInfo.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_expert__pb2.LoadShardRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_expert__pb2.ShardInfo.SerializeToString,
             ),
             'Forward': grpc.stream_stream_rpc_method_handler(
                     servicer.Forward,
-                    request_deserializer=proto_dot_expert__pb2.ExpertRequest.FromString,
-                    response_serializer=proto_dot_expert__pb2.ExpertResponse.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_expert__pb2.ExpertRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_expert__pb2.ExpertResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=proto_dot_expert__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_expert__pb2.ExpertStats.SerializeToString,
+                    request_deserializer=splitmoe_dot_proto_dot_expert__pb2.StatsRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_expert__pb2.ExpertStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,8 +134,8 @@ class ExpertService:
             request,
             target,
             '/splitmoe.v1.ExpertService/DescribeShard',
-            proto_dot_expert__pb2.DescribeShardRequest.SerializeToString,
-            proto_dot_expert__pb2.ShardInfo.FromString,
+            splitmoe_dot_proto_dot_expert__pb2.DescribeShardRequest.SerializeToString,
+            splitmoe_dot_proto_dot_expert__pb2.ShardInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -161,8 +161,8 @@ class ExpertService:
             request,
             target,
             '/splitmoe.v1.ExpertService/LoadShard',
-            proto_dot_expert__pb2.LoadShardRequest.SerializeToString,
-            proto_dot_expert__pb2.ShardInfo.FromString,
+            splitmoe_dot_proto_dot_expert__pb2.LoadShardRequest.SerializeToString,
+            splitmoe_dot_proto_dot_expert__pb2.ShardInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -188,8 +188,8 @@ class ExpertService:
             request_iterator,
             target,
             '/splitmoe.v1.ExpertService/Forward',
-            proto_dot_expert__pb2.ExpertRequest.SerializeToString,
-            proto_dot_expert__pb2.ExpertResponse.FromString,
+            splitmoe_dot_proto_dot_expert__pb2.ExpertRequest.SerializeToString,
+            splitmoe_dot_proto_dot_expert__pb2.ExpertResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -215,8 +215,8 @@ class ExpertService:
             request,
             target,
             '/splitmoe.v1.ExpertService/GetStats',
-            proto_dot_expert__pb2.StatsRequest.SerializeToString,
-            proto_dot_expert__pb2.ExpertStats.FromString,
+            splitmoe_dot_proto_dot_expert__pb2.StatsRequest.SerializeToString,
+            splitmoe_dot_proto_dot_expert__pb2.ExpertStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,11 +1,22 @@
 """SplitMoE: Mixture-of-Experts serving split across an attention service and expert services.
 
-Importing this package sets two defaults of the runtimes torch links, for this process and its
-children, unless the environment already sets them. Both are read when those runtimes load or
-first run, so every entry point imports this package before torch (`python -m splitmoe`, the
-bench modules, the tests' conftest).
+One namespace: the product's packages are `splitmoe.kernels`, `splitmoe.proto`,
+`splitmoe.modelfile`, `splitmoe.attention_service`, `splitmoe.expert_service`, `splitmoe.gateway`
+and `splitmoe.bench`. Installed, setuptools maps them there from the repository's top-level folders
+(setup.py); in a source checkout this package's path takes in the checkout, so the same names
+resolve to the same folders wherever the code runs from (a worktree, a clone, CI).
+
+Importing this package also sets two defaults of the runtimes torch links, for this process and
+its children, unless the environment already sets them (or SPLITMOE_RUNTIME_DEFAULTS=0). Both are
+read when those runtimes load or first run, and every module of ours is imported through this
+package, so they are in place before torch.
 """
 import os
+from pathlib import Path
+
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "kernels" / "__init__.py").is_file() and (_CHECKOUT / "setup.py").is_file():
+    __path__.append(str(_CHECKOUT))  # noqa: F821 - a package's __path__, set by the import system
 
 RUNTIME_DEFAULTS = {
     # MKL's float32 GEMM picks its kernel by thread count on some CPUs (seen on AMD Zen 5: a 9x64
@@ -20,19 +31,23 @@ RUNTIME_DEFAULTS = {
     # (single-stream decode and prefill unchanged). Read when torch loads libgomp.
     "OMP_WAIT_POLICY": "PASSIVE",
 }
+_OFF = "SPLITMOE_RUNTIME_DEFAULTS"
 # What the environment said before this import: a peer run for comparison (bench/llamacpp.py,
 # whose OpenMP threads must spin at every graph barrier) gets the user's environment, not ours.
 USER_ENV = {name: os.environ.get(name) for name in RUNTIME_DEFAULTS}
-for _name, _value in RUNTIME_DEFAULTS.items():
-    os.environ.setdefault(_name, _value)
+if os.environ.get(_OFF) != "0":
+    for _name, _value in RUNTIME_DEFAULTS.items():
+        os.environ.setdefault(_name, _value)
 
 
 def user_environment() -> dict[str, str]:
-    """This process's environment as the user gave it: without the defaults set above."""
+    """This process's environment as the user gave it, for a process that must not get our
+    runtime defaults even though it imports this package."""
     env = dict(os.environ)
     for name, value in USER_ENV.items():
         if value is None:
             env.pop(name, None)
         else:
             env[name] = value
+    env[_OFF] = "0"
     return env

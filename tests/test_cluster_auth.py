@@ -16,16 +16,16 @@ import grpc
 import pytest
 import torch
 
-from attention_service.expert_service_client import ConnectionSettings, ExpertServiceClient
-from attention_service.server import serve as serve_attention
-from attention_service.settings import AttentionSettings
-from expert_service.server import ExpertServer
-from expert_service.settings import ExpertServiceSettings
-from expert_service.shard import HostedShard
-from gateway.attention_client import AttentionClient, AttentionError
-from gateway.settings import GatewaySettings
-from modelfile.gguf_file import GGUFFile
-from proto import expert_pb2, expert_pb2_grpc
+from splitmoe.attention_service.expert_service_client import ConnectionSettings, ExpertServiceClient
+from splitmoe.attention_service.server import serve as serve_attention
+from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.expert_service.server import ExpertServer
+from splitmoe.expert_service.settings import ExpertServiceSettings
+from splitmoe.expert_service.shard import HostedShard
+from splitmoe.gateway.attention_client import AttentionClient, AttentionError
+from splitmoe.gateway.settings import GatewaySettings
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.cli import main
 from splitmoe.cluster_auth import ClusterSecurity, is_loopback
 from tests.support.processes import CLUSTER, free_port, wait_grpc_serving

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import REPO, run_splitmoe
 from tests.support.stack import running_stack

@@ -16,14 +16,14 @@ import uvicorn
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from attention_service.server import serve as serve_attention
-from attention_service.settings import AttentionSettings
-from expert_service.server import ExpertServer
-from expert_service.settings import ExpertServiceSettings
-from expert_service.shard import HostedShard
-from gateway.app import build_app
-from gateway.settings import GatewaySettings
-from modelfile.gguf_file import GGUFFile
+from splitmoe.attention_service.server import serve as serve_attention
+from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.expert_service.server import ExpertServer
+from splitmoe.expert_service.settings import ExpertServiceSettings
+from splitmoe.expert_service.shard import HostedShard
+from splitmoe.gateway.app import build_app
+from splitmoe.gateway.settings import GatewaySettings
+from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.telemetry import setup_tracing
 from tests.support.processes import CLUSTER, free_port, wait_grpc_serving
 

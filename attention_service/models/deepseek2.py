@@ -5,8 +5,8 @@ MLA attention over a latent KV cache (attention_service/mla.py), with its rope p
 them so), leading dense layers, plain shared experts. Routing comes from the file: V2 softmax
 greedy; V3/Kimi sigmoid + `exp_probs_b` correction bias + grouped top-k + renorm + scale.
 """
-from attention_service.mla import MultiLatentAttention
-from attention_service.models.base import SHARED_EXPERT_PLAIN, ArchSpec
+from splitmoe.attention_service.mla import MultiLatentAttention
+from splitmoe.attention_service.models.base import SHARED_EXPERT_PLAIN, ArchSpec
 
 SPEC = ArchSpec(
     gguf_arch="deepseek2",

@@ -5,8 +5,8 @@ The rest of its differences live where they are computed: the clamped SwiGLU of 
 present). Rope is NeoX-style YaRN; the file carries no `truncate` flag, so the correction range
 is rounded as llama.cpp does.
 """
-from attention_service.models.base import ArchSpec
-from modelfile.hparams import GATING_SOFTMAX_WEIGHT
+from splitmoe.attention_service.models.base import ArchSpec
+from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT
 
 SPEC = ArchSpec(
     gguf_arch="gpt-oss",

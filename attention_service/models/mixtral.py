@@ -1,5 +1,5 @@
 """Mixtral 8x7B / 8x22B, stored as GGUF arch `llama` with experts: top-2 of 8, interleaved rope."""
-from attention_service.models.base import ArchSpec
+from splitmoe.attention_service.models.base import ArchSpec
 
 SPEC = ArchSpec(
     gguf_arch="llama",

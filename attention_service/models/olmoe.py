@@ -1,6 +1,6 @@
 """OLMoE-1B-7B: q/k RMSNorm over the full projection width, top-k weights not renormalised."""
-from attention_service.attention import QK_NORM_FULL
-from attention_service.models.base import ArchSpec
+from splitmoe.attention_service.attention import QK_NORM_FULL
+from splitmoe.attention_service.models.base import ArchSpec
 
 SPEC = ArchSpec(
     gguf_arch="olmoe",

@@ -1,5 +1,5 @@
 """Qwen1.5/2-MoE: q/k/v bias, top-k weights not renormalised, shared expert behind a sigmoid gate."""
-from attention_service.models.base import SHARED_EXPERT_GATED, ArchSpec
+from splitmoe.attention_service.models.base import SHARED_EXPERT_GATED, ArchSpec
 
 SPEC = ArchSpec(
     gguf_arch="qwen2moe",

@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): per-head q/k norm, renormalised top-k."""
-from attention_service.attention import QK_NORM_PER_HEAD
-from attention_service.models.base import ArchSpec
+from splitmoe.attention_service.attention import QK_NORM_PER_HEAD
+from splitmoe.attention_service.models.base import ArchSpec
 
 SPEC = ArchSpec(
     gguf_arch="qwen3moe",

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_make_model(args: argparse.Namespace) -> int:
     import time
 
-    from bench.make_model import write_model
+    from splitmoe.bench.make_model import write_model
 
     start = time.perf_counter()
     path = write_model(args.out, args.shape, args.layers, args.quant, args.seed, args.vocab or None)
@@ -75,9 +75,9 @@ def run_make_model(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from bench.report import context_lines, table
-    from bench.run import BenchSettings, run_bench as bench, write_json
-    from bench.workload import Workload
+    from splitmoe.bench.report import context_lines, table
+    from splitmoe.bench.run import BenchSettings, run_bench as bench, write_json
+    from splitmoe.bench.workload import Workload
     from splitmoe.commands.up import usable_cpus
     from splitmoe.supervisor import ServiceFailed
     from splitmoe.topology import numa_nodes
@@ -109,7 +109,7 @@ def run_bench(args: argparse.Namespace) -> int:
         write_json(figures, args.json)
         print(f"figures: {args.json}")
     if args.plot:
-        from bench.plot import plot_decode_curve
+        from splitmoe.bench.plot import plot_decode_curve
 
         print(f"plot: {plot_decode_curve(figures, args.plot)}")
     return 0

@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from attention_service.server import serve
-    from attention_service.settings import AttentionSettings
+    from splitmoe.attention_service.server import serve
+    from splitmoe.attention_service.settings import AttentionSettings
     from splitmoe.settings import otlp_endpoint, setup_logging
     from splitmoe.telemetry import setup_tracing
 

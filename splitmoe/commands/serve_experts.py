@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from splitmoe.commands.cluster_flags import add_cluster_flags, cluster_security
 
 if TYPE_CHECKING:  # heavy imports stay inside the command
-    from expert_service.settings import ExpertServiceSettings
-    from expert_service.shard import HostedShard
+    from splitmoe.expert_service.settings import ExpertServiceSettings
+    from splitmoe.expert_service.shard import HostedShard
 
 
 def _index_range(text: str) -> tuple[int, ...]:
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_serve_experts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from expert_service.settings import ExpertServiceSettings
+    from splitmoe.expert_service.settings import ExpertServiceSettings
     from splitmoe.settings import otlp_endpoint
 
     settings = ExpertServiceSettings(
@@ -64,7 +64,7 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     import signal
     import threading
 
-    from expert_service.server import ExpertServer, describe_shard
+    from splitmoe.expert_service.server import ExpertServer, describe_shard
     from splitmoe.settings import setup_logging
     from splitmoe.telemetry import setup_tracing
 
@@ -96,8 +96,8 @@ def _apply_cpu_settings(settings: ExpertServiceSettings) -> None:
 
 
 def _hosted_shard(settings: ExpertServiceSettings) -> HostedShard:
-    from expert_service.shard import HostedShard
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.expert_service.shard import HostedShard
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     g = GGUFFile(settings.model_path)
     if settings.unassigned:

@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_serve_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gateway.app import build_app
-    from gateway.settings import GatewaySettings
+    from splitmoe.gateway.app import build_app
+    from splitmoe.gateway.settings import GatewaySettings
     from splitmoe.settings import setup_logging
     from splitmoe.telemetry import setup_tracing
 

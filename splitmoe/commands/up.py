@@ -120,8 +120,8 @@ def _settings(args: argparse.Namespace) -> UpSettings:
 
 
 def _expert_count(model_path: str) -> int:
-    from modelfile.experts import expert_count
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.modelfile.experts import expert_count
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     return expert_count(GGUFFile(model_path))
 
@@ -212,7 +212,7 @@ def gateway_spec(settings: UpSettings, port: int, attention_address: str) -> Ser
             "--port", str(port))
     env = cluster_env(settings)
     if settings.api_key:
-        from gateway.settings import ENV_API_KEY
+        from splitmoe.gateway.settings import ENV_API_KEY
 
         env[ENV_API_KEY] = settings.api_key
     return ServiceSpec("gateway", argv, base_url, lambda: HttpHealthProbe(f"{base_url}/health"), env=env)

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from attention_service import transformer
-from attention_service.mla import LATENT_ENTRY
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from attention_service.routing import route
-from modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
+from splitmoe.attention_service import transformer
+from splitmoe.attention_service.mla import LATENT_ENTRY
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.routing import route
+from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from splitmoe.cli import main
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids

@@ -1,9 +1,9 @@
 """Streamed text: stop strings held back across token boundaries, partial UTF-8 never released."""
 import pytest
 
-from attention_service.detokenizer import Detokenizer
-from modelfile.gguf_file import GGUFFile
-from modelfile.tokenizer import Tokenizer
+from splitmoe.attention_service.detokenizer import Detokenizer
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from attention_service.expert_placement import (NO_OWNER, ExpertsUnavailable, Placement, ServiceShard,
+from splitmoe.attention_service.expert_placement import (NO_OWNER, ExpertsUnavailable, Placement, ServiceShard,
                                                 assign_empty_services, format_ranges, split_evenly)
-from modelfile.experts import ExpertKey
+from splitmoe.modelfile.experts import ExpertKey
 
 LAYERS = (0, 1, 2)
 

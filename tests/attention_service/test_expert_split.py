@@ -1,8 +1,8 @@
 """attention_service/expert_split.py: every routed slot goes to exactly one service, and parts sum back."""
 import torch
 
-from attention_service.expert_placement import NO_OWNER
-from attention_service.expert_split import OwnerTable, add_part, split_by_service, unfinished_work
+from splitmoe.attention_service.expert_placement import NO_OWNER
+from splitmoe.attention_service.expert_split import OwnerTable, add_part, split_by_service, unfinished_work
 
 
 def fake_services_sum(hidden, work_ids, weights, parts, num_experts):

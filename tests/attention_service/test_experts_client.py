@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention_service.experts_client import (ExpertsUnavailable, InProcessExperts,
+from splitmoe.attention_service.experts_client import (ExpertsUnavailable, InProcessExperts,
                                               RemoteExperts, RemoteExpertsSettings, resolve_addresses)
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from attention_service.server import _add_expert_stats
-from modelfile.experts import ExpertKey
-from modelfile.gguf_file import GGUFFile
-from proto import attention_pb2
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.server import _add_expert_stats
+from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.proto import attention_pb2
 from splitmoe.cluster_auth import ClusterSecurity
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import CLUSTER, free_port

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.linear as kl
-from attention_service import attention as attn_mod
-from attention_service.attention import attention
-from attention_service.kv_cache import KVCache
-from attention_service.layers import Rope
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from kernels.linear import QuantEmbedding, QuantLinear
+import splitmoe.kernels.linear as kl
+from splitmoe.attention_service import attention as attn_mod
+from splitmoe.attention_service.attention import attention
+from splitmoe.attention_service.kv_cache import KVCache
+from splitmoe.attention_service.layers import Rope
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.kernels.linear import QuantEmbedding, QuantLinear
 from tests.support.gguf_edit import rewrite_gguf
 
 IDS = [(i * 37 + 11) % 200 for i in range(40)]
@@ -193,10 +193,10 @@ def test_the_accelerators_masked_attention_equals_the_cpus(T, C, window, first, 
 def test_weights_on_an_accelerator_are_dense_in_the_model_dtype(demo_gguf):
     """Off the CPU (the `meta` device stands in for CUDA: shapes and dtypes, no data) no weight is
     kept quantized: the native kernels are CPU code, so every linear and the embedding are dense."""
-    from attention_service.models import arch_spec
-    from attention_service.weights import load_weights
-    from modelfile.gguf_file import GGUFFile
-    from modelfile.hparams import ModelConfig
+    from splitmoe.attention_service.models import arch_spec
+    from splitmoe.attention_service.weights import load_weights
+    from splitmoe.modelfile.gguf_file import GGUFFile
+    from splitmoe.modelfile.hparams import ModelConfig
 
     g = GGUFFile(demo_gguf)
     spec = arch_spec(g.arch, g.path.name)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from attention_service import transformer
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from kernels.moe import SWIGLU_OAI_LIMIT
+from splitmoe.attention_service import transformer
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.kernels.moe import SWIGLU_OAI_LIMIT
 from splitmoe.cli import main
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.hf_reference import NEAR_TIE, build_model, hf_logits, max_abs, rel_l2, routing_flips

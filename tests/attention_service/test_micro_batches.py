@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from attention_service.batch import SeqSlice, StepBatch
-from attention_service.experts_client import InProcessExperts
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from attention_service.settings import AttentionSettings
-from modelfile.gguf_file import GGUFFile
+from splitmoe.attention_service.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.experts_client import InProcessExperts
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.demo_model import DemoShape, write_demo_model
 
 PROMPTS = [[5, 17, 30, 42, 7, 99], [250, 3, 11], [64, 128, 200, 271, 0, 1, 2, 9, 40], [33, 34],

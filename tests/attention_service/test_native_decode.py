@@ -16,13 +16,13 @@ import json
 import pytest
 import torch
 
-import attention_service.attention as attention_module
-import attention_service.mla as mla_module
-from attention_service.attention import grouped_attention
-from attention_service.mla import latent_attention
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from attention_service.transformer import MoETransformer
-from kernels import native
+import splitmoe.attention_service.attention as attention_module
+import splitmoe.attention_service.mla as mla_module
+from splitmoe.attention_service.attention import grouped_attention
+from splitmoe.attention_service.mla import latent_attention
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.transformer import MoETransformer
+from splitmoe.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
 

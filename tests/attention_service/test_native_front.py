@@ -17,12 +17,12 @@ import json
 import pytest
 import torch
 
-from attention_service.attention import QK_NORM_FULL, QK_NORM_PER_HEAD
-from attention_service.layers import linear, rms_norm
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from kernels import native
-from kernels.linear import QuantLinear
-from kernels.quants import dequantize
+from splitmoe.attention_service.attention import QK_NORM_FULL, QK_NORM_PER_HEAD
+from splitmoe.attention_service.layers import linear, rms_norm
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.kernels import native
+from splitmoe.kernels.linear import QuantLinear
+from splitmoe.kernels.quants import dequantize
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
 

@@ -5,18 +5,18 @@ import queue
 import pytest
 import torch
 
-from attention_service.block_manager import BlockManager
-from attention_service.engine import Engine
-from attention_service.model_runner import Sequence
-from attention_service.reasoning import HARMONY_MARKERS, TextDelta, detect_reasoning_format, output_text
-from attention_service.request import GenerationRequest
-from attention_service.sampling import RequestSampler, Sampled, SamplingOptions
-from attention_service.scheduler import Scheduler
-from attention_service.service import load_serving_model
-from attention_service.settings import AttentionSettings
-from modelfile.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
-from proto import attention_pb2 as pb
-from proto import attention_pb2_grpc
+from splitmoe.attention_service.block_manager import BlockManager
+from splitmoe.attention_service.engine import Engine
+from splitmoe.attention_service.model_runner import Sequence
+from splitmoe.attention_service.reasoning import HARMONY_MARKERS, TextDelta, detect_reasoning_format, output_text
+from splitmoe.attention_service.request import GenerationRequest
+from splitmoe.attention_service.sampling import RequestSampler, Sampled, SamplingOptions
+from splitmoe.attention_service.scheduler import Scheduler
+from splitmoe.attention_service.service import load_serving_model
+from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.modelfile.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
+from splitmoe.proto import attention_pb2 as pb
+from splitmoe.proto import attention_pb2_grpc
 from splitmoe.cli import build_parser
 from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab
 from tests.support.harmony_model import write_harmony_demo_model

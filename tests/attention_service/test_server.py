@@ -6,10 +6,10 @@ import grpc
 import numpy as np
 import pytest
 
-from attention_service.generate import greedy_tokens
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from proto import attention_pb2 as pb
-from proto import attention_pb2_grpc
+from splitmoe.attention_service.generate import greedy_tokens
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.proto import attention_pb2 as pb
+from splitmoe.proto import attention_pb2_grpc
 from tests.support.processes import (assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
                                     stranger_channel)
 

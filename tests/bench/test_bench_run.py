@@ -13,12 +13,12 @@ import json
 import pytest
 import torch
 
-from bench.ceiling import ExpertBytes, RecordingExperts, ceiling_tok_s
-from bench.llamacpp import available as llamacpp_available
-from bench.report import add_ratios, table
-from bench.services import hop_overhead
-from bench.workload import StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, make_prompts, normal_token_ids
-from proto import attention_pb2 as pb
+from splitmoe.bench.ceiling import ExpertBytes, RecordingExperts, ceiling_tok_s
+from splitmoe.bench.llamacpp import available as llamacpp_available
+from splitmoe.bench.report import add_ratios, table
+from splitmoe.bench.services import hop_overhead
+from splitmoe.bench.workload import StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, make_prompts, normal_token_ids
+from splitmoe.proto import attention_pb2 as pb
 from splitmoe.topology import numa_nodes
 from tests.support.processes import run_splitmoe
 
@@ -61,8 +61,8 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
 @pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed (the optional `bench` "
                                                      "extra: pip install 'splitmoe[bench]'); baseline not tested")
 def test_llamacpp_baseline_runs_the_same_workload(demo_gguf, tmp_path):
-    from bench.llamacpp import run_baseline
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.bench.llamacpp import run_baseline
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     workload = Workload(prompt_tokens=32, decode_tokens=6, streams=3, stream_prompt_tokens=4)
     g = GGUFFile(demo_gguf)
@@ -132,6 +132,6 @@ def test_recording_experts_counts_distinct_experts_of_steps_of_the_asked_size():
 
 
 def _gguf(path):
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     return GGUFFile(path)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from bench.make_model import SHAPES, TensorSpec, make_tensor, plan, use_more_bits, write_model
-from kernels.quants import QuantTensor, dequantize
-from modelfile.gguf_file import GGUFFile
-from modelfile.tokenizer import Tokenizer
+from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.bench.make_model import SHAPES, TensorSpec, make_tensor, plan, use_more_bits, write_model
+from splitmoe.kernels.quants import QuantTensor, dequantize
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.tokenizer import Tokenizer
 from splitmoe.cli import main
 
 VOCAB = 1024

@@ -1,8 +1,8 @@
 """bench.plot and the workload's stream-count sweep, on figures made up for the test."""
 import pytest
 
-from bench.plot import plot_decode_curve
-from bench.workload import Workload
+from splitmoe.bench.plot import plot_decode_curve
+from splitmoe.bench.workload import Workload
 
 
 def test_the_curve_of_every_engine_is_drawn(tmp_path):

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from attention_service.expert_transport import HopFailed, ShmLink
-from proto import doorbell, expert_pb2, expert_pb2_grpc
-from proto.shm import SHM_DIR, ShmRegion
+from splitmoe.attention_service.expert_transport import HopFailed, ShmLink
+from splitmoe.proto import doorbell, expert_pb2, expert_pb2_grpc
+from splitmoe.proto.shm import SHM_DIR, ShmRegion
 from tests.support.processes import CLUSTER, REPO, cluster_channel, free_port, grpc_service
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
@@ -83,8 +83,8 @@ def test_the_attention_side_link_fails_cleanly_with_a_wrong_secret(bell):
 # stdin. It reports, per region name, the status and error of a zero-token hop announcing it.
 NOBODY_PEER = r"""
 import json, os, sys
-from proto import doorbell
-from proto.shm import SHM_DIR
+from splitmoe.proto import doorbell
+from splitmoe.proto.shm import SHM_DIR
 os.setgroups([]); os.setgid(NOBODY); os.setuid(NOBODY)
 print(os.getpid(), flush=True)
 job = json.loads(sys.stdin.readline())

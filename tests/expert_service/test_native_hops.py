@@ -13,15 +13,15 @@ import time
 import pytest
 import torch
 
-from attention_service.expert_transport import ShmLink
-from expert_service.doorbell import DoorbellServer
-from expert_service.shard import HostedShard
-from kernels import native
-from kernels.cpu_features import gemm_dtype
-from kernels.expert_kernels import NATIVE_MAX_TOKENS
-from modelfile.experts import ExpertShard
-from modelfile.gguf_file import GGUFFile
-from proto.shm import SHM_DIR
+from splitmoe.attention_service.expert_transport import ShmLink
+from splitmoe.expert_service.doorbell import DoorbellServer
+from splitmoe.expert_service.shard import HostedShard
+from splitmoe.kernels import native
+from splitmoe.kernels.cpu_features import gemm_dtype
+from splitmoe.kernels.expert_kernels import NATIVE_MAX_TOKENS
+from splitmoe.modelfile.experts import ExpertShard
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.proto.shm import SHM_DIR
 
 pytestmark = [pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm"),
               pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from modelfile.experts import ExpertKey, ExpertShard
-from modelfile.gguf_file import GGUFFile
-from proto import codec, doorbell, expert_pb2, expert_pb2_grpc
-from proto.shm import ShmRegion
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.proto import codec, doorbell, expert_pb2, expert_pb2_grpc
+from splitmoe.proto.shm import ShmRegion
 from tests.support.processes import (CLUSTER, assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
                                     spawn, stranger_channel, wait_grpc_serving)
 
@@ -219,9 +219,9 @@ def test_doorbell_refuses_another_version_and_can_be_turned_off(service, demo_gg
     finally:
         bell.close()
 
-    from expert_service.server import ExpertServer
-    from expert_service.settings import ExpertServiceSettings
-    from expert_service.shard import HostedShard
+    from splitmoe.expert_service.server import ExpertServer
+    from splitmoe.expert_service.settings import ExpertServiceSettings
+    from splitmoe.expert_service.shard import HostedShard
 
     server = ExpertServer(ExpertServiceSettings(demo_gguf, port=0, doorbell=False, security=CLUSTER),
                           HostedShard(GGUFFile(demo_gguf)))
@@ -266,9 +266,9 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from expert_service.server import ExpertServer
-    from expert_service.settings import ExpertServiceSettings
-    from expert_service.shard import HostedShard
+    from splitmoe.expert_service.server import ExpertServer
+    from splitmoe.expert_service.settings import ExpertServiceSettings
+    from splitmoe.expert_service.shard import HostedShard
     from splitmoe.telemetry import inject_grpc_metadata, setup_tracing
 
     spans = InMemorySpanExporter()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expert_service.shard import HostedShard
-from modelfile.gguf_file import GGUFFile
+from splitmoe.expert_service.shard import HostedShard
+from splitmoe.modelfile.gguf_file import GGUFFile
 
 
 def inputs(seed: int, num_tokens: int = 5):

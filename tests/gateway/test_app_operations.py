@@ -23,7 +23,7 @@ from tests.support.expert_services import ExpertServices
 from tests.support.gateway_http import (
     assert_openai_error, metric, running_gateway, samples, wait_http, wait_until_idle,
 )
-from proto import expert_pb2, expert_pb2_grpc
+from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from tests.support.processes import cluster_channel, free_port, spawn, stop
 
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf
@@ -61,7 +61,7 @@ def stack(demo_gguf, tmp_path_factory) -> Stack:
         experts.start(name, demo_gguf, "--experts", span)
     port, startup = free_port(), {}
     try:
-        with running_gateway(port, log_dir / "gateway.log") as url:
+        with running_gateway(port, log_dir / "splitmoe.gateway.log") as url:
             startup["down"] = probe(url)
             experts.wait()
             for name in HALVES:

@@ -8,15 +8,15 @@ import json
 import grpc
 import pytest
 
-from gateway.attention_client import (
+from splitmoe.gateway.attention_client import (
     AttentionError, chunk_of, generate_request, model_info_of, score_request, score_result_of, stats_of,
 )
-from gateway.attention_types import (
+from splitmoe.gateway.attention_types import (
     ChatPrompt, ChatTurn, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, SamplingParams,
     ScoreParams, ScoreResult, TokenLogprob, TopLogprob, Usage,
 )
-from gateway.openai_types import error_response
-from proto import attention_pb2 as pb
+from splitmoe.gateway.openai_types import error_response
+from splitmoe.proto import attention_pb2 as pb
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.openai_types import ERROR_TYPES, INT32_MAX, INT64_MAX
+from splitmoe.gateway.openai_types import ERROR_TYPES, INT32_MAX, INT64_MAX
 from tests.support.gateway_http import (
     GatewayStack, assert_openai_error, gateway_over_attention, running_gateway, sse_events,
 )
@@ -186,7 +186,7 @@ def test_fuzzed_bodies_get_4xx_openai_errors_and_the_stack_serves_on(stack, http
     assert statuses.get(200, 0) >= 10 and statuses.get(400, 0) >= 100, statuses  # both kinds were tried
     assert time.monotonic() - started < 60
     assert_serves(http)
-    lines = (stack.log_dir / "gateway.log").read_text(errors="replace").splitlines()
+    lines = (stack.log_dir / "splitmoe.gateway.log").read_text(errors="replace").splitlines()
     assert max(len(line) for line in lines) < 2000  # unknown fields: names cut short, once each
 
 

@@ -1,8 +1,8 @@
 """Gateway-measured latencies and the attention service's GetStats as Prometheus text."""
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.attention_types import AttentionStats, ExpertTokens, HopStats
-from gateway.metrics import GatewayMetrics
+from splitmoe.gateway.attention_types import AttentionStats, ExpertTokens, HopStats
+from splitmoe.gateway.metrics import GatewayMetrics
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple], float]:

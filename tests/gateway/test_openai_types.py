@@ -5,8 +5,8 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from gateway.attention_types import ChatPrompt, ChatTurn
-from gateway.openai_types import (
+from splitmoe.gateway.attention_types import ChatPrompt, ChatTurn
+from splitmoe.gateway.openai_types import (
     INT32_MAX, INT64_MAX, MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, CompletionRequest, UnknownFieldLog, error_response,
     validation_error,
 )
@@ -161,7 +161,7 @@ def test_malformed_json_is_400_invalid_json():
 
 
 def test_unknown_fields_are_accepted_and_logged_once_per_name(caplog):
-    with caplog.at_level(logging.WARNING, logger="gateway.openai_types"):
+    with caplog.at_level(logging.WARNING, logger="splitmoe.gateway.openai_types"):
         req = chat('"frobnicate": 1, "store": true')
         chat('"frobnicate": 2')
     assert req.model_extra == {"frobnicate": 1, "store": True}
@@ -170,7 +170,7 @@ def test_unknown_fields_are_accepted_and_logged_once_per_name(caplog):
 
 def test_unknown_field_names_are_logged_cut_short_and_only_so_many(caplog):
     names = UnknownFieldLog()
-    with caplog.at_level(logging.WARNING, logger="gateway.openai_types"):
+    with caplog.at_level(logging.WARNING, logger="splitmoe.gateway.openai_types"):
         names.report("M", ["x" * 5000] + [f"field{i}" for i in range(5000)])
         names.report("M", ["late"])
     cut = UnknownFieldLog.MAX_NAME_CHARS

@@ -22,7 +22,7 @@ def url(tmp_path_factory):
     port = free_port()
     with grpc_service(["serve-attention", str(model), "--port", str(port), "--kv-cache-tokens", "512"], port,
                       logs / "attention.log"):
-        with running_gateway(port, logs / "gateway.log") as gateway:
+        with running_gateway(port, logs / "splitmoe.gateway.log") as gateway:
             wait_http(gateway + "/health", None, lambda r: r.status_code == 200)
             yield gateway
 

@@ -6,13 +6,13 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
 
-from gateway.admission import Admission, Refused
-from gateway.attention_client import AttentionError
-from gateway.attention_types import GenerateChunk, GenerateParams, SamplingParams, TokenLogprob, TopLogprob, Usage
-from gateway.openai_types import (
+from splitmoe.gateway.admission import Admission, Refused
+from splitmoe.gateway.attention_client import AttentionError
+from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, SamplingParams, TokenLogprob, TopLogprob, Usage
+from splitmoe.gateway.openai_types import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionStreamChoice, DeltaMessage, UsageInfo,
 )
-from gateway.serving import (
+from splitmoe.gateway.serving import (
     SSE_DONE, ChatHandler, ChoiceState, OpenStream, completion_logprobs, chat_logprobs, merge, open_streams,
     sse_line, sse_stream, total_usage,
 )
@@ -108,7 +108,7 @@ class _Model:
 
 
 def _metrics():
-    from gateway.metrics import GatewayMetrics
+    from splitmoe.gateway.metrics import GatewayMetrics
     return GatewayMetrics()
 
 

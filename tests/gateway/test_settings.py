@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from gateway.settings import ENV_API_KEY, GatewaySettings
+from splitmoe.gateway.settings import ENV_API_KEY, GatewaySettings
 
 
 def test_cli_values_win_and_the_environment_fills_the_rest():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import cpu_features as cf
+from splitmoe.kernels import cpu_features as cf
 
 
 def test_bf16_detection_is_the_cpus_flags_not_mkldnn_emulation():

@@ -14,8 +14,8 @@ import functools
 import pytest
 import torch
 
-from kernels import native
-from kernels.decode_attention import AttentionContext, decode_attention
+from splitmoe.kernels import native
+from splitmoe.kernels.decode_attention import AttentionContext, decode_attention
 from tests.kernels.test_native import ISAS
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")

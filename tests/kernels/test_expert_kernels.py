@@ -17,12 +17,12 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from kernels import expert_kernels as ek
-from kernels.cpu_features import GEMM_DTYPE_ENV
-from kernels.expert_kernels import FastMoELayer
-from kernels.int4pack import repack_expert
-from kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN
-from kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels import expert_kernels as ek
+from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
+from splitmoe.kernels.expert_kernels import FastMoELayer
+from splitmoe.kernels.int4pack import repack_expert
+from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN
+from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_moe import Float64FFN
 from tests.kernels.test_quants import FP16_FIELDS
 

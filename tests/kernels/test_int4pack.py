@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kernels import int4pack
-from kernels.int4pack import can_pack_all, can_repack, pack, repack_expert, unpack
-from kernels.moe import ExpertFFN
-from kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels import int4pack
+from splitmoe.kernels.int4pack import can_pack_all, can_repack, pack, repack_expert, unpack
+from splitmoe.kernels.moe import ExpertFFN
+from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_expert_kernels import realistic_blocks
 
 Q4 = [T.Q4_0, T.Q4_1, T.Q4_K]

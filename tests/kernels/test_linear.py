@@ -13,10 +13,10 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-import kernels.linear as kl
-from kernels.cpu_features import GEMM_DTYPE_ENV
-from kernels.linear import QuantEmbedding, QuantLinear, linear
-from kernels.quants import QuantTensor, dequantize
+import splitmoe.kernels.linear as kl
+from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
+from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, linear
+from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_quants import random_blocks
 
 NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]

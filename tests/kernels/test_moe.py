@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T, quants as gq
 
-from kernels.moe import (ACT_SILU, ACT_SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ExpertFFN,
+from splitmoe.kernels.moe import (ACT_SILU, ACT_SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ExpertFFN,
                          moe_forward)
-from kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.quants import QuantTensor, dequantize
 
 HIDDEN, FFN, NUM_EXPERTS, TOP_K, NUM_TOKENS = 64, 32, 6, 2, 40
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFReader, quants as gq
 
-from kernels.quants import QuantTensor, UnsupportedQuantType, dequantize, supported_types
+from splitmoe.kernels.quants import QuantTensor, UnsupportedQuantType, dequantize, supported_types
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 

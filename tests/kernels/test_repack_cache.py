@@ -8,10 +8,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kernels import int4pack, repack_cache
-from kernels.moe import ExpertFFN
-from kernels.quants import QuantTensor
-from kernels.repack_cache import RepackCache, cache_key, load_or_repack, tensor_digest
+from splitmoe.kernels import int4pack, repack_cache
+from splitmoe.kernels.moe import ExpertFFN
+from splitmoe.kernels.quants import QuantTensor
+from splitmoe.kernels.repack_cache import RepackCache, cache_key, load_or_repack, tensor_digest
 from tests.kernels.test_expert_kernels import realistic_blocks
 
 pytestmark = pytest.mark.skipif(not int4pack.available(), reason="this torch has no CPU int4 kernels")

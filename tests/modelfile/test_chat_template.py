@@ -9,8 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from modelfile.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError  # noqa: E402
-from modelfile.tokenizer import Tokenizer  # noqa: E402
+from splitmoe.modelfile.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError  # noqa: E402
+from splitmoe.modelfile.tokenizer import Tokenizer  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 HF_DIR = FIXTURES / "qwen3moe" / "hf"
@@ -280,7 +280,7 @@ def test_chatml_default():
 
 @needs_fixtures
 def test_from_gguf_metadata_falls_back_to_chatml_and_uses_special_tokens():
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     meta = GGUFFile(FIXTURES / "qwen3moe" / "qwen3moe-q8_0.gguf").metadata
     assert "tokenizer.chat_template" not in meta

@@ -11,12 +11,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from kernels import expert_kernels as ek
-from kernels import repack_cache
-from kernels.moe import moe_forward
-from modelfile import experts as experts_mod
-from modelfile.experts import ExpertShard, load_layer_experts
-from modelfile.gguf_file import GGUFFile
+from splitmoe.kernels import expert_kernels as ek
+from splitmoe.kernels import repack_cache
+from splitmoe.kernels.moe import moe_forward
+from splitmoe.modelfile import experts as experts_mod
+from splitmoe.modelfile.experts import ExpertShard, load_layer_experts
+from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.demo_model import DemoShape, write_demo_model
 from tests.support.gguf_edit import rewrite_gguf
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from modelfile.gguf_file import GGUFError, GGUFFile
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.cli import main
 from tests.support.gguf_edit import rewrite_gguf
 
@@ -125,7 +125,7 @@ def test_layers_past_block_count_are_refused(demo_gguf, tmp_path, capsys):
 
 
 def test_the_expert_side_checks_expert_shapes(demo_gguf, tmp_path):
-    from modelfile.experts import ExpertShard
+    from splitmoe.modelfile.experts import ExpertShard
 
     path = tmp_path / "experts.gguf"
     rewrite_gguf(demo_gguf, path, set_keys={"qwen3moe.expert_feed_forward_length": 16})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter
 
-from modelfile.gguf_file import GGUFError, GGUFFile
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.support.gguf_layout import read_layout
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"

@@ -20,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from modelfile.chat_template import ChatTemplate  # noqa: E402
-from modelfile.tokenizer import Tokenizer, TokenizerMetadataError  # noqa: E402
+from splitmoe.modelfile.chat_template import ChatTemplate  # noqa: E402
+from splitmoe.modelfile.tokenizer import Tokenizer, TokenizerMetadataError  # noqa: E402
 
 FIXTURES = ROOT.parent / "shared" / "fixtures"
 ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "deepseek2", "deepseek3", "gptoss"]
@@ -66,7 +66,7 @@ def nfc(text: str) -> str:
 def fixture_meta():
     if not FIXTURES.is_dir():
         pytest.skip(f"../shared/fixtures not found: {FIXTURES}")
-    from modelfile.gguf_file import GGUFFile
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     return {arch: GGUFFile(FIXTURES / arch / f"{arch}-q8_0.gguf").metadata for arch in ARCHS}
 
@@ -149,7 +149,7 @@ def test_fixture_special_tokens_are_single_tokens(qwen):
 
 @needs_fixtures
 def test_fixture_every_known_pre_tokenizer_builds_and_round_trips(fixture_meta):
-    from modelfile import tokenizer as module
+    from splitmoe.modelfile import tokenizer as module
 
     text = "Hello WORLD, it's 2024-06-01!\n\tdef f(x):  return x**2  # \u00e9\u00e8 \u65e5\u672c\u8a9e \U0001f600 \u2014 done  "
     for name, pre in module._PRE_TOKENIZERS.items():
@@ -160,7 +160,7 @@ def test_fixture_every_known_pre_tokenizer_builds_and_round_trips(fixture_meta):
 
 @needs_fixtures
 def test_fixture_unknown_pre_falls_back_with_warning(fixture_meta, caplog):
-    with caplog.at_level(logging.WARNING, logger="modelfile.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="splitmoe.modelfile.tokenizer"):
         tok = Tokenizer.from_gguf_metadata({**fixture_meta["qwen3moe"], "tokenizer.ggml.pre": "no-such-pre"})
     assert "no-such-pre" in caplog.text
     assert tok.decode(tok.encode("fine, it's OK 123")) == "fine, it's OK 123"

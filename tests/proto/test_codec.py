@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from proto import codec, tensor_pb2
+from splitmoe.proto import codec, tensor_pb2
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 # Decoded tensors alias the message bytes; torch's one-time warning about that is expected.

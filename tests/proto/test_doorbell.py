@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from proto import doorbell
-from proto.shm import ALIGN_BYTES, tensor_nbytes
+from splitmoe.proto import doorbell
+from splitmoe.proto.shm import ALIGN_BYTES, tensor_nbytes
 
 
 @pytest.mark.parametrize("num_tokens, top_k, hidden_size, dtype", [(1, 8, 2048, torch.float32), (3, 2, 64, torch.bfloat16),

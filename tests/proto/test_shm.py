@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from proto.shm import SHM_DIR, Peer, ShmRegion
+from splitmoe.proto.shm import SHM_DIR, Peer, ShmRegion
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
 US = Peer(os.getpid(), os.getuid())

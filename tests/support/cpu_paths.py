@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from kernels import native
-from kernels.cpu_features import GEMM_DTYPE_ENV
+from splitmoe.kernels import native
+from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
 
 LOWER = "avx2+float32"
 _FORCED = {LOWER: {"SPLITMOE_KERNELS_ISA": "avx2", GEMM_DTYPE_ENV: "float32"}}

@@ -32,7 +32,7 @@ def gateway_over_attention(model: Path, log_dir: Path, *gateway_args: str) -> It
     port = free_port()
     attention = spawn(["serve-attention", str(model), "--port", str(port)], log_dir / "attention.log")
     try:
-        with running_gateway(port, log_dir / "gateway.log", *gateway_args) as url:
+        with running_gateway(port, log_dir / "splitmoe.gateway.log", *gateway_args) as url:
             try:
                 wait_http(url + "/health", attention, lambda r: r.status_code == 200)
             except Exception:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import free_port, spawn, stop, wait_grpc_serving
 
@@ -38,7 +38,7 @@ def running_stack(model: Path, log_dir: Path, *attention_args: str):
                        f"{experts.address('low')},{experts.address('high')}", "--dtype", "float32", *attention_args],
                       log_dir / "attention.log")
     gateway = spawn(["serve-gateway", "--attention", f"127.0.0.1:{attention_port}", "--port", str(gateway_port)],
-                    log_dir / "gateway.log")
+                    log_dir / "splitmoe.gateway.log")
     try:
         experts.wait()
         wait_grpc_serving(f"127.0.0.1:{attention_port}", 120, attention)
