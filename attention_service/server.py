@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-from splitmoe.attention_service.request import RequestOutput
-from splitmoe.attention_service.sampling import SamplingOptions
-from splitmoe.attention_service.scheduler import QueueFull
+from splitmoe.attention_service.engine.request import RequestOutput
+from splitmoe.attention_service.engine.sampling import SamplingOptions
+from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.proto import attention_pb2 as pb

@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
-from splitmoe.attention_service.engine import Engine
-from splitmoe.attention_service.experts_client import (ExpertBackend, ExpertsUnavailable, InProcessExperts, RemoteExperts,
-                                              RemoteExpertsSettings)
-from splitmoe.attention_service.model_runner import (DTYPES, ModelRunner, RunnerOptions, Sequence, check_experts_per_token,
+from splitmoe.attention_service.engine.engine import Engine
+from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.model.runner import (DTYPES, ModelRunner, RunnerOptions, Sequence, check_experts_per_token,
                                            default_device)
-from splitmoe.attention_service.reasoning import ReasoningFormat, detect_reasoning_format, output_text
-from splitmoe.attention_service.request import GenerationRequest, OutputSink
-from splitmoe.attention_service.sampling import RequestSampler, SamplingOptions
-from splitmoe.attention_service.scheduler import Scheduler
+from splitmoe.attention_service.engine.reasoning import ReasoningFormat, detect_reasoning_format, output_text
+from splitmoe.attention_service.engine.request import GenerationRequest, OutputSink
+from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
+from splitmoe.attention_service.engine.scheduler import Scheduler
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.chat_template import ChatTemplate
 from splitmoe.modelfile.gguf_file import GGUFFile

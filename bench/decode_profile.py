@@ -63,9 +63,9 @@ class Timers:
 
 def instrument(runner, timers: Timers) -> None:
     """Wrap the pieces of a decode step of `runner` (a ModelRunner)."""
-    from splitmoe.attention_service import attention, mla, transformer
-    from splitmoe.attention_service.kv_cache import KVCache
-    from splitmoe.attention_service.layers import Rope
+    from splitmoe.attention_service.model import attention, mla, transformer
+    from splitmoe.attention_service.model.kv_cache import KVCache
+    from splitmoe.attention_service.model.layers import Rope
     from splitmoe.kernels.decode_layer import AttentionFront
     from splitmoe.kernels.linear import LinearGroup, QuantEmbedding
 
@@ -121,11 +121,11 @@ def decode_tokens(runner, seqs, n: int, sample) -> float:
 
 @contextmanager
 def loaded(args):
-    from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions
+    from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 
     experts = None
     if args.expert_services:
-        from splitmoe.attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
+        from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
         from splitmoe.modelfile.gguf_file import GGUFFile
 
         from splitmoe.cluster_auth import ClusterSecurity
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from splitmoe.attention_service import sampling
-    from splitmoe.attention_service.model_runner import Sequence
+    from splitmoe.attention_service.engine import sampling
+    from splitmoe.attention_service.model.runner import Sequence
     from splitmoe.kernels.expert_kernels import sync_native_threads
 
     def sample(row: torch.Tensor) -> int:

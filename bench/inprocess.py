@@ -28,7 +28,7 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
     """g: the model's GGUFFile, already open (opening parses the whole vocabulary: seconds)."""
     import torch
 
-    from splitmoe.attention_service.experts_client import InProcessExperts
+    from splitmoe.attention_service.experts.backend import InProcessExperts
     from splitmoe.attention_service.service import load_serving_model
     from splitmoe.attention_service.settings import AttentionSettings
 
@@ -57,7 +57,7 @@ class InProcessEngine:
         self.model, self.recorder = model, recorder
 
     async def generate(self, ids: list[int], max_tokens: int) -> AsyncIterator[float]:
-        from splitmoe.attention_service.sampling import SamplingOptions
+        from splitmoe.attention_service.engine.sampling import SamplingOptions
 
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()

@@ -92,7 +92,7 @@ class Cells:
     def __init__(self, address: str):
         import torch
 
-        from splitmoe.attention_service.expert_service_client import ConnectionSettings, ExpertServiceClient
+        from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient
 
         torch.set_num_threads(1)
         self.clients = {}
@@ -188,8 +188,8 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
                   transport: str) -> None:
     import torch
 
-    from splitmoe.attention_service.experts_client import RemoteExperts, RemoteExpertsSettings
-    from splitmoe.attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, Sequence
+    from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+    from splitmoe.attention_service.model.runner import DTYPES, ModelRunner, RunnerOptions, Sequence
     from splitmoe.modelfile.gguf_file import GGUFFile
     from tests.support.expert_services import ExpertServices
     from tests.support.processes import CLUSTER

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from splitmoe.attention_service.attention import QK_NORM_NONE, MultiHeadAttention
+from splitmoe.attention_service.model.attention import QK_NORM_NONE, MultiHeadAttention
 SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED = "none", "plain", "sigmoid_gated"
 
 

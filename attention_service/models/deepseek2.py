@@ -1,11 +1,11 @@
 """DeepSeek-V2 / V2-Lite / V3 / R1 and Kimi-K2, all GGUF arch `deepseek2`.
 
-MLA attention over a latent KV cache (attention_service/mla.py), with its rope part interleaved
+MLA attention over a latent KV cache (attention_service/model/mla.py), with its rope part interleaved
 (llama.cpp's "norm" rope: DeepSeek's checkpoints keep pairs adjacent and the converter leaves
 them so), leading dense layers, plain shared experts. Routing comes from the file: V2 softmax
 greedy; V3/Kimi sigmoid + `exp_probs_b` correction bias + grouped top-k + renorm + scale.
 """
-from splitmoe.attention_service.mla import MultiLatentAttention
+from splitmoe.attention_service.model.mla import MultiLatentAttention
 from splitmoe.attention_service.models.base import SHARED_EXPERT_PLAIN, ArchSpec
 
 SPEC = ArchSpec(

@@ -1,5 +1,5 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): per-head q/k norm, renormalised top-k."""
-from splitmoe.attention_service.attention import QK_NORM_PER_HEAD
+from splitmoe.attention_service.model.attention import QK_NORM_PER_HEAD
 from splitmoe.attention_service.models.base import ArchSpec
 
 SPEC = ArchSpec(

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _runner(args: argparse.Namespace, kv_cache_tokens: int):
     import torch
 
-    from splitmoe.attention_service.model_runner import DTYPES, ModelRunner, RunnerOptions, default_device
+    from splitmoe.attention_service.model.runner import DTYPES, ModelRunner, RunnerOptions, default_device
 
     if args.model is None:
         from splitmoe.demo_model import demo_model_path
@@ -51,7 +51,7 @@ def _runner(args: argparse.Namespace, kv_cache_tokens: int):
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
-    from splitmoe.attention_service.model_runner import Sequence
+    from splitmoe.attention_service.model.runner import Sequence
 
     runner = _runner(args, kv_cache_tokens=len(args.token_ids))
     if max(args.token_ids) >= runner.cfg.vocab_size or min(args.token_ids) < 0:
@@ -67,7 +67,7 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from splitmoe.attention_service.generate import greedy_tokens
+    from splitmoe.attention_service.model.generate import greedy_tokens
     from splitmoe.modelfile.chat_template import ChatTemplate
     from splitmoe.modelfile.tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
 
 ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from splitmoe.attention_service import transformer
-from splitmoe.attention_service.mla import LATENT_ENTRY
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from splitmoe.attention_service.routing import route
+from splitmoe.attention_service.model import transformer
+from splitmoe.attention_service.model.mla import LATENT_ENTRY
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.routing import route
 from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from splitmoe.cli import main
 from tests.support.cpu_paths import PATHS, forced_path

@@ -1,7 +1,7 @@
 """Streamed text: stop strings held back across token boundaries, partial UTF-8 never released."""
 import pytest
 
-from splitmoe.attention_service.detokenizer import Detokenizer
+from splitmoe.attention_service.engine.detokenizer import Detokenizer
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.tokenizer import Tokenizer
 

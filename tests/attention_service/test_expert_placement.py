@@ -1,8 +1,8 @@
-"""attention_service/expert_placement.py: shard assignment, coverage and failover order (no I/O)."""
+"""attention_service/experts/placement.py: shard assignment, coverage and failover order (no I/O)."""
 import pytest
 import torch
 
-from splitmoe.attention_service.expert_placement import (NO_OWNER, ExpertsUnavailable, Placement, ServiceShard,
+from splitmoe.attention_service.experts.placement import (NO_OWNER, ExpertsUnavailable, Placement, ServiceShard,
                                                 assign_empty_services, format_ranges, split_evenly)
 from splitmoe.modelfile.experts import ExpertKey
 

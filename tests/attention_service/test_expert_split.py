@@ -1,8 +1,8 @@
-"""attention_service/expert_split.py: every routed slot goes to exactly one service, and parts sum back."""
+"""attention_service/experts/split.py: every routed slot goes to exactly one service, and parts sum back."""
 import torch
 
-from splitmoe.attention_service.expert_placement import NO_OWNER
-from splitmoe.attention_service.expert_split import OwnerTable, add_part, split_by_service, unfinished_work
+from splitmoe.attention_service.experts.placement import NO_OWNER
+from splitmoe.attention_service.experts.split import OwnerTable, add_part, split_by_service, unfinished_work
 
 
 def fake_services_sum(hidden, work_ids, weights, parts, num_experts):

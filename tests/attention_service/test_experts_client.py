@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splitmoe.attention_service.experts_client import (ExpertsUnavailable, InProcessExperts,
-                                              RemoteExperts, RemoteExpertsSettings, resolve_addresses)
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.experts.backend import InProcessExperts
+from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings, resolve_addresses
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
 from splitmoe.attention_service.server import _add_expert_stats
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile

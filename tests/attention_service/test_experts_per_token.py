@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
 
 IDS = [5, 40, 100, 7, 200, 33, 81, 12]
 

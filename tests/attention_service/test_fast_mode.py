@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import splitmoe.kernels.linear as kl
-from splitmoe.attention_service import attention as attn_mod
-from splitmoe.attention_service.attention import attention
-from splitmoe.attention_service.kv_cache import KVCache
-from splitmoe.attention_service.layers import Rope
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model import attention as attn_mod
+from splitmoe.attention_service.model.attention import attention
+from splitmoe.attention_service.model.kv_cache import KVCache
+from splitmoe.attention_service.model.layers import Rope
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
 from splitmoe.kernels.linear import QuantEmbedding, QuantLinear
 from tests.support.gguf_edit import rewrite_gguf
 
@@ -194,7 +194,7 @@ def test_weights_on_an_accelerator_are_dense_in_the_model_dtype(demo_gguf):
     """Off the CPU (the `meta` device stands in for CUDA: shapes and dtypes, no data) no weight is
     kept quantized: the native kernels are CPU code, so every linear and the embedding are dense."""
     from splitmoe.attention_service.models import arch_spec
-    from splitmoe.attention_service.weights import load_weights
+    from splitmoe.attention_service.model.weights import load_weights
     from splitmoe.modelfile.gguf_file import GGUFFile
     from splitmoe.modelfile.hparams import ModelConfig
 

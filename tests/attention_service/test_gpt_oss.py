@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitmoe.attention_service import transformer
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model import transformer
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
 from splitmoe.kernels.moe import SWIGLU_OAI_LIMIT
 from splitmoe.cli import main
 from tests.support.cpu_paths import PATHS, forced_path

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitmoe.attention_service import transformer
+from splitmoe.attention_service.model import transformer
 from tests.support.hf_reference import (NEAR_TIE, VOCAB, build_model, hf_logits, max_abs, rel_l2, routing_flips,
                                         splitmoe_logits, token_ids)
 from tests.support.hf_to_gguf import F32, Q8_0, convert

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from splitmoe.attention_service.batch import SeqSlice, StepBatch
-from splitmoe.attention_service.experts_client import InProcessExperts
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.experts.backend import InProcessExperts
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.demo_model import DemoShape, write_demo_model

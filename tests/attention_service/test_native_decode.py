@@ -16,12 +16,12 @@ import json
 import pytest
 import torch
 
-import splitmoe.attention_service.attention as attention_module
-import splitmoe.attention_service.mla as mla_module
-from splitmoe.attention_service.attention import grouped_attention
-from splitmoe.attention_service.mla import latent_attention
-from splitmoe.attention_service.model_runner import ModelRunner, RunnerOptions, Sequence
-from splitmoe.attention_service.transformer import MoETransformer
+import splitmoe.attention_service.model.attention as attention_module
+import splitmoe.attention_service.model.mla as mla_module
+from splitmoe.attention_service.model.attention import grouped_attention
+from splitmoe.attention_service.model.mla import latent_attention
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")

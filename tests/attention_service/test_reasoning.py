@@ -1,17 +1,17 @@
-"""attention_service/reasoning.py: reasoning split from content, token by token, and its plumbing
+"""attention_service/engine/reasoning.py: reasoning split from content, token by token, and its plumbing
 through the request, the engine, the settings and a real `serve-attention` process."""
 import queue
 
 import pytest
 import torch
 
-from splitmoe.attention_service.block_manager import BlockManager
-from splitmoe.attention_service.engine import Engine
-from splitmoe.attention_service.model_runner import Sequence
-from splitmoe.attention_service.reasoning import HARMONY_MARKERS, TextDelta, detect_reasoning_format, output_text
-from splitmoe.attention_service.request import GenerationRequest
-from splitmoe.attention_service.sampling import RequestSampler, Sampled, SamplingOptions
-from splitmoe.attention_service.scheduler import Scheduler
+from splitmoe.attention_service.model.block_manager import BlockManager
+from splitmoe.attention_service.engine.engine import Engine
+from splitmoe.attention_service.model.runner import Sequence
+from splitmoe.attention_service.engine.reasoning import HARMONY_MARKERS, TextDelta, detect_reasoning_format, output_text
+from splitmoe.attention_service.engine.request import GenerationRequest
+from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
+from splitmoe.attention_service.engine.scheduler import Scheduler
 from splitmoe.attention_service.service import load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer

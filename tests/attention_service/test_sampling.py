@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from splitmoe.attention_service.sampling import RequestSampler, SamplingOptions
+from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
 
 
 def logits():

@@ -1,8 +1,8 @@
 """Continuous batching decisions, with no model: chunked prefill, decodes first, preemption."""
-from splitmoe.attention_service.block_manager import BlockManager
-from splitmoe.attention_service.model_runner import Sequence
-from splitmoe.attention_service.request import GenerationRequest
-from splitmoe.attention_service.scheduler import Scheduler
+from splitmoe.attention_service.model.block_manager import BlockManager
+from splitmoe.attention_service.model.runner import Sequence
+from splitmoe.attention_service.engine.request import GenerationRequest
+from splitmoe.attention_service.engine.scheduler import Scheduler
 
 
 def request(seq_id, num_tokens):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from splitmoe.attention_service.expert_transport import ShmLink
+from splitmoe.attention_service.experts.links import ShmLink
 from splitmoe.expert_service.doorbell import DoorbellServer
 from splitmoe.expert_service.shard import HostedShard
 from splitmoe.kernels import native

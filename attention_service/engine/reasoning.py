@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
-from splitmoe.attention_service.detokenizer import Detokenizer
+from splitmoe.attention_service.engine.detokenizer import Detokenizer
 from splitmoe.modelfile.tokenizer import Tokenizer
 
 HARMONY, THINK = "harmony", "think"

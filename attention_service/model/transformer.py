@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from splitmoe.attention_service.attention import use_native_decode
-from splitmoe.attention_service.batch import StepBatch
-from splitmoe.attention_service.experts_client import ExpertBackend, ExpertsHandle
-from splitmoe.attention_service.kv_cache import KVCache
-from splitmoe.attention_service.layers import linear, rms_norm, swiglu
+from splitmoe.attention_service.model.attention import use_native_decode
+from splitmoe.attention_service.model.batch import StepBatch
+from splitmoe.attention_service.experts.backend import ExpertBackend, ExpertsHandle
+from splitmoe.attention_service.model.kv_cache import KVCache
+from splitmoe.attention_service.model.layers import linear, rms_norm, swiglu
 from splitmoe.attention_service.models.base import ArchSpec
-from splitmoe.attention_service.routing import limit_experts, route
-from splitmoe.attention_service.weights import LayerWeights, ModelWeights
+from splitmoe.attention_service.model.routing import limit_experts, route
+from splitmoe.attention_service.model.weights import LayerWeights, ModelWeights
 from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.attention_service.expert_placement import NO_OWNER
+from splitmoe.attention_service.experts.placement import NO_OWNER
 
 _NOT_WANTED = -1
 _NOT_WANTED_SLOT = NO_OWNER - 1  # owner of the slots nobody should compute

@@ -1,7 +1,7 @@
 """One expert service seen from the attention side: channel, link (transport), health, hop counters.
 
 The gRPC channel carries the control RPCs (DescribeShard, LoadShard, GetStats). Hops go over a
-link (attention_service/expert_transport.py): the Forward stream, or on one host the
+link (attention_service/experts/links.py): the Forward stream, or on one host the
 shared-memory doorbell. Either way several hops may be in flight, answered in order, and waited
 for with a deadline. A dead link marks the service unhealthy at once, even when idle; `revive`
 opens a fresh channel (never one stuck in reconnect backoff) and link.
@@ -20,8 +20,8 @@ from typing import Callable
 import grpc
 import torch
 
-from splitmoe.attention_service.expert_placement import ServiceShard
-from splitmoe.attention_service.expert_transport import GrpcLink, HopFailed, Link, ShmLink, Ticket
+from splitmoe.attention_service.experts.placement import ServiceShard
+from splitmoe.attention_service.experts.links import GrpcLink, HopFailed, Link, ShmLink, Ticket
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.cluster_auth import ClusterSecurity

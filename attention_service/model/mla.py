@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitmoe.attention_service.attention import use_native_decode
-from splitmoe.attention_service.batch import StepBatch
-from splitmoe.attention_service.kv_cache import KVCache
-from splitmoe.attention_service.layers import Rope, linear, rms_norm, softmax_scale
-from splitmoe.attention_service.weight_loader import WeightLoader
+from splitmoe.attention_service.model.attention import use_native_decode
+from splitmoe.attention_service.model.batch import StepBatch
+from splitmoe.attention_service.model.kv_cache import KVCache
+from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
+from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.linear import LinearWeight, QuantLinear
 from splitmoe.modelfile.gguf_file import GGUFError

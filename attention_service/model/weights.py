@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from splitmoe.attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
-from splitmoe.attention_service.weight_loader import WeightLoader
+from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
 from splitmoe.modelfile.experts import expert_tensor_names, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile

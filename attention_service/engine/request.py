@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitmoe.attention_service.model_runner import Sequence
-from splitmoe.attention_service.reasoning import OutputText
-from splitmoe.attention_service.sampling import RequestSampler, Sampled, SamplingOptions
+from splitmoe.attention_service.model.runner import Sequence
+from splitmoe.attention_service.engine.reasoning import OutputText
+from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from splitmoe.attention_service.batch import SeqSlice, StepBatch
-from splitmoe.attention_service.kv_cache import KVCache
-from splitmoe.attention_service.layers import Rope, linear, rms_norm, softmax_scale
-from splitmoe.attention_service.weight_loader import WeightLoader
+from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.model.kv_cache import KVCache
+from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
+from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep

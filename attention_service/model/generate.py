@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from splitmoe.attention_service.model_runner import ModelRunner, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, Sequence
 
 
 def greedy_tokens(runner: ModelRunner, prompt_ids: list[int], max_new_tokens: int,

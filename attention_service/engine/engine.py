@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 from opentelemetry import trace
 
-from splitmoe.attention_service.model_runner import ModelRunner, Sequence
-from splitmoe.attention_service.request import GenerationRequest, RequestOutput
-from splitmoe.attention_service.scheduler import QueueFull, ScheduledStep, Scheduler
+from splitmoe.attention_service.model.runner import ModelRunner, Sequence
+from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
+from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("splitmoe.attention.engine")

@@ -1,0 +1,115 @@
+"""The seam between the attention side's transformer and wherever the routed experts run.
+
+Every backend computes `kernels.moe`'s interface for one MoE layer: hidden [T, D], expert ids
+[T, K] and weights [T, K] in, the weighted sum of the routed experts' outputs [T, D] out.
+`submit` is the asynchronous form: it sends and returns a handle whose `wait()` gives what
+`forward` would have, so two layer calls may be in flight (the transformer's micro-batches).
+`InProcessExperts` runs them here; `experts.remote.RemoteExperts` on expert services.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitmoe.attention_service.experts.placement import ServiceShard
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
+from splitmoe.modelfile.gguf_file import GGUFFile
+
+
+class ExpertsHandle(Protocol):
+    def wait(self) -> torch.Tensor:
+        """The submitted layer call's summed expert output [T, D] (or its error, raised)."""
+        ...
+
+
+class ExpertBackend(Protocol):
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                expert_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D], expert_ids [T, K], expert_weights [T, K] -> summed expert output [T, D]."""
+        ...
+
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> ExpertsHandle:
+        """`forward`, started. The inputs must stay unchanged until `wait()` returns (a part that
+        failed is sent again, to a replica). Up to two submitted calls may be unwaited."""
+        ...
+
+    def health(self) -> dict[str, "ServiceHealth"]:
+        """Per expert service address; empty when no service is involved."""
+        ...
+
+    def stats(self) -> dict[str, "HopStats"]:
+        ...
+
+    def expert_token_counts(self) -> dict[ExpertKey, int]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class Ready:
+    """A handle whose result is already there: backends that compute on the caller's thread."""
+
+    __slots__ = ("_out",)
+
+    def __init__(self, out: torch.Tensor):
+        self._out = out
+
+    def wait(self) -> torch.Tensor:
+        return self._out
+
+
+class InProcessExperts:
+    """All routed experts of the file, computed in this process (eagerly: nothing to overlap)."""
+
+    def __init__(self, g: GGUFFile):
+        self.shard = ExpertShard(g)
+        self._counts = {layer: torch.zeros(expert_count(g), dtype=torch.long) for layer in self.shard.layers}
+
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                expert_weights: torch.Tensor) -> torch.Tensor:
+        ids = expert_ids.cpu()
+        counts = self._counts[layer]
+        counts += torch.bincount(ids[ids >= 0], minlength=counts.numel())  # -1: a dropped slot
+        out = self.shard.forward(layer, hidden.cpu(), ids, expert_weights.cpu())
+        return out.to(hidden.device)
+
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> Ready:
+        return Ready(self.forward(layer, hidden, expert_ids, expert_weights))
+
+    def health(self) -> dict[str, "ServiceHealth"]:
+        return {}
+
+    def stats(self) -> dict[str, "HopStats"]:
+        return {}
+
+    def expert_token_counts(self) -> dict[ExpertKey, int]:
+        return {ExpertKey(layer, e): n for layer, c in self._counts.items()
+                for e, n in enumerate(c.tolist()) if n}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceHealth:
+    healthy: bool
+    shard: ServiceShard
+    transport: str       # "grpc" | "shm" | "" while disconnected
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class HopStats:
+    num_hops: int
+    hop_s_total: float       # request sent -> answer received, per hop, summed
+    compute_s_total: float   # time inside the service's expert kernels
+    sent_bytes: int
+    received_bytes: int
+    overhead_us_median: float = 0.0  # per hop, over the last 1024: round trip minus compute (and queueing)
+    overhead_us_mean: float = 0.0    # per hop, since start
+    transport: str = ""              # "grpc" | "shm" | "" while disconnected

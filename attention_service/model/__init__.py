@@ -1,0 +1,1 @@
+"""The model on the attention device: its weights, KV cache and forward step."""
