@@ -25,6 +25,7 @@ from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
+from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
@@ -189,7 +190,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             return pb.ModelInfoResponse(ready=False)
         return pb.ModelInfoResponse(model_id=m.model_id, arch=m.runner.cfg.arch,
                                     context_tokens=m.max_context_tokens, vocab_size=m.vocab_size, ready=True,
-                                    dtype=m.settings.dtype, device=str(m.runner.options.device))
+                                    dtype=dtype_name(m.runner.options.dtype), device=str(m.runner.options.device))
 
     async def GetStats(self, request, context) -> pb.AttentionStats:
         m = await self._ready(context)

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from splitmoe.attention_service.engine.engine import Engine
 from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
-from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
-from splitmoe.attention_service.model.runner import (DTYPES, ModelRunner, RunnerOptions, Sequence, check_experts_per_token,
-                                           default_device)
+from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts
+from splitmoe.attention_service.model.runner import ModelRunner, check_experts_per_token, dtype_name
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.reasoning import ReasoningFormat, detect_reasoning_format, output_text
 from splitmoe.attention_service.engine.request import GenerationRequest, OutputSink
 from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
@@ -123,10 +121,7 @@ class ServingModel:
 
 
 def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | None = None) -> ServingModel:
-    device = torch.device(settings.device) if settings.device else default_device()
-    options = RunnerOptions(dtype=DTYPES[settings.dtype], device=device, kv_cache_tokens=settings.kv_cache_tokens,
-                            kv_block_tokens=settings.kv_block_tokens, experts_per_token=settings.experts_per_token,
-                            micro_batches=settings.micro_batches)
+    options = settings.runner
     g = GGUFFile(settings.model_path)
     runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
@@ -137,18 +132,14 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
         settings=settings, runner=runner, engine=engine, tokenizer=tokenizer,
         template=ChatTemplate.from_gguf_metadata(runner.gguf.metadata, tokenizer),
         model_id=settings.served_model_name or Path(settings.model_path).stem,
-        max_context_tokens=min(runner.cfg.context_tokens, settings.kv_cache_tokens),
+        max_context_tokens=min(runner.cfg.context_tokens, options.kv_cache_tokens),
         reasoning=detect_reasoning_format(tokenizer),
     )
     log.info("model %s loaded: %s, %d layers, dtype %s on %s, reasoning format %s (%s)", model.model_id,
-             runner.cfg.arch, runner.cfg.num_layers, settings.dtype, device,
+             runner.cfg.arch, runner.cfg.num_layers, dtype_name(options.dtype), options.device,
              model.reasoning.name if model.reasoning else "none", settings.reasoning_format)
     return model
 
 
 def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:
-    if not settings.expert_services:
-        return InProcessExperts(g)
-    return RemoteExperts(g, RemoteExpertsSettings(
-        addresses=settings.expert_services, expert_timeout_s=settings.expert_timeout_s,
-        local_layers=settings.local_expert_layers, transport=settings.transport, security=settings.security))
+    return InProcessExperts(g) if settings.experts is None else RemoteExperts(g, settings.experts)

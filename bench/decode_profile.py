@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from splitmoe.attention_service.engine import sampling
-    from splitmoe.attention_service.model.runner import Sequence
+    from splitmoe.attention_service.model.sequence import Sequence
     from splitmoe.kernels.expert_kernels import sync_native_threads
 
     def sample(row: torch.Tensor) -> int:

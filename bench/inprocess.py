@@ -30,12 +30,14 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
 
     from splitmoe.attention_service.experts.backend import InProcessExperts
     from splitmoe.attention_service.service import load_serving_model
+    from splitmoe.attention_service.model.runner import DTYPES, RunnerOptions
     from splitmoe.attention_service.settings import AttentionSettings
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     w = workload
-    settings = AttentionSettings(model_path=str(g.path), dtype=dtype, device="cpu", kv_cache_tokens=w.kv_tokens(),
+    settings = AttentionSettings(model_path=str(g.path),
+                                 runner=RunnerOptions(dtype=DTYPES[dtype], device=torch.device("cpu"), kv_cache_tokens=w.kv_tokens()),
                                  max_batch_tokens=max(512, w.prompt_tokens, w.streams * w.stream_prompt_tokens),
                                  max_running_seqs=max(64, w.streams))
     recorder = RecordingExperts(InProcessExperts(g))

@@ -97,7 +97,7 @@ class Cells:
         torch.set_num_threads(1)
         self.clients = {}
         for transport in TRANSPORTS:
-            client = ExpertServiceClient(address, ConnectionSettings(10.0, 2.0, transport, 1 << 30, 4 << 20))
+            client = ExpertServiceClient(address, ConnectionSettings(connect_timeout_s=2.0, transport=transport))
             client.open_stream(client.describe(30.0, wait_for_ready=True))
             self.clients[transport] = client
         self.inputs = {}
@@ -189,7 +189,8 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
     import torch
 
     from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
-    from splitmoe.attention_service.model.runner import DTYPES, ModelRunner, RunnerOptions, Sequence
+    from splitmoe.attention_service.model.runner import DTYPES, ModelRunner, RunnerOptions
+    from splitmoe.attention_service.model.sequence import Sequence
     from splitmoe.modelfile.gguf_file import GGUFFile
     from tests.support.expert_services import ExpertServices
     from tests.support.processes import CLUSTER
@@ -203,7 +204,7 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
                 services.start(f"experts{i}", model, "--unassigned", "--threads", str(threads))
             services.wait(300)
             addresses = tuple(services.address(f"experts{i}") for i in range(num_services))
-            settings = RemoteExpertsSettings(addresses, transport=transport, expert_timeout_s=120, security=CLUSTER)
+            settings = RemoteExpertsSettings(addresses=addresses, transport=transport, expert_timeout_s=120, security=CLUSTER)
             with RemoteExperts(g, settings) as experts:
                 options = RunnerOptions(dtype=DTYPES[dtype], device=torch.device("cpu"), kv_cache_tokens=64 * num_seqs,
                                         micro_batches=2)

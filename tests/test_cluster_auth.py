@@ -18,7 +18,7 @@ import torch
 
 from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient
 from splitmoe.attention_service.server import serve as serve_attention
-from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options
 from splitmoe.expert_service.server import ExpertServer
 from splitmoe.expert_service.settings import ExpertServiceSettings
 from splitmoe.expert_service.shard import HostedShard
@@ -141,7 +141,7 @@ def refused(security: ClusterSecurity, address: str, server_name: str = "") -> g
 
 
 def test_the_attention_sides_expert_link_works_over_tls(pki, tls_experts):
-    settings = ConnectionSettings(10.0, 2.0, "grpc", 1 << 30, 1 << 20, client(pki))
+    settings = ConnectionSettings(connect_timeout_s=2.0, transport="grpc", shm_initial_bytes=1 << 20, security=client(pki))
     expert = ExpertServiceClient(tls_experts["tls"], settings)
     try:
         expert.open_stream(expert.describe(5.0))
@@ -179,7 +179,8 @@ def test_the_gateway_reaches_a_tls_attention_service(pki, demo_gguf):
     security = ClusterSecurity.load(TOKEN, None, *pki.certs["attention"])
     stop = threading.Event()
     attention = threading.Thread(target=lambda: asyncio.run(serve_attention(
-        AttentionSettings(model_path=str(demo_gguf), port=port, kv_cache_tokens=64, security=security),
+        AttentionSettings(model_path=str(demo_gguf), port=port, runner=serving_runner_options(kv_cache_tokens=64),
+                          security=security),
         external_stop=stop)))
     attention.start()
     try:

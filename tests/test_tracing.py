@@ -16,6 +16,7 @@ import uvicorn
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
 from splitmoe.attention_service.server import serve as serve_attention
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.expert_service.server import ExpertServer
@@ -44,8 +45,8 @@ def stack(spans, demo_gguf):
     experts.start()
     stop_attention = threading.Event()
     attention = threading.Thread(target=lambda: asyncio.run(serve_attention(
-        AttentionSettings(model_path=str(model), port=attention_port, expert_services=(f"127.0.0.1:{expert_port}",),
-                          security=CLUSTER), external_stop=stop_attention)))
+        AttentionSettings(model_path=str(model), port=attention_port, security=CLUSTER,
+                          experts=RemoteExpertsSettings(addresses=(f"127.0.0.1:{expert_port}",), security=CLUSTER)), external_stop=stop_attention)))
     attention.start()
     wait_grpc_serving(f"127.0.0.1:{attention_port}", 60)
     app = build_app(GatewaySettings(attention_address=f"127.0.0.1:{attention_port}", port=gateway_port,

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 from opentelemetry import trace
 
-from splitmoe.attention_service.model.runner import ModelRunner, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
 from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
 
@@ -106,7 +107,7 @@ class Engine:
 
     def _add(self, request: GenerationRequest) -> None:
         self._num_queued -= 1
-        self.scheduler.waiting.append(request)
+        self.scheduler.add(request)  # `submit` counted it against the queue's limit already
 
     def _remove(self, request_id: str) -> None:
         self.scheduler.remove(request_id)

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitmoe.attention_service.model.runner import Sequence
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.reasoning import OutputText
 from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
 

@@ -28,41 +28,30 @@ from splitmoe.attention_service.experts.backend import ExpertsHandle, HopStats, 
 from splitmoe.kernels import native
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.cluster_auth import ClusterSecurity
 
 __all__ = ["RemoteExperts", "RemoteExpertsSettings", "ExpertsUnavailable", "ExpertRequestError"]
 log = logging.getLogger(__name__)
-TRANSPORTS = ("auto", "grpc", "shm")
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteExpertsSettings:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteExpertsSettings(ConnectionSettings):
+    """Every expert service's connection settings, and how the backend uses the services."""
+
     addresses: tuple[str, ...]                 # host:port of every expert service (replicas included)
-    expert_timeout_s: float = 10.0             # deadline of every hop and every control RPC
-    connect_timeout_s: float = 1.0             # one reconnect attempt to a service marked unhealthy
     reconnect_interval_s: float = 1.0          # how often unhealthy services are retried, healthy ones' shards checked
     startup_wait_s: float = 60.0               # how long startup waits for services to come up
-    transport: str = "auto"                    # auto: shared memory with services on this host, else gRPC
     local_layers: int = 0                      # the first N MoE layers' experts run in-process (--n-cpu-moe)
-    max_message_bytes: int = 1 << 30           # 1 GiB: a long prefill's hidden states in one message
-    shm_initial_bytes: int = 4 << 20           # per connection; grows to the largest request
-    security: ClusterSecurity = ClusterSecurity()  # the secret every call and doorbell carries; TLS
 
     def __post_init__(self) -> None:
+        super(RemoteExpertsSettings, self).__post_init__()
         if not self.addresses:
             raise ValueError("remote experts need at least one expert service address")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport {self.transport!r}: want one of {', '.join(TRANSPORTS)}")
-        if min(self.expert_timeout_s, self.connect_timeout_s, self.reconnect_interval_s) <= 0:
-            raise ValueError("expert timeouts and intervals must be positive")
+        if self.reconnect_interval_s <= 0:
+            raise ValueError("the reconnect interval must be positive")
         if self.local_layers < 0:
             raise ValueError(f"local_layers {self.local_layers}: must be >= 0")
         if len(set(self.addresses)) != len(self.addresses):
             raise ValueError(f"expert service addresses repeat: {', '.join(self.addresses)}")
-
-    def connection(self) -> ConnectionSettings:
-        return ConnectionSettings(self.expert_timeout_s, self.connect_timeout_s, self.transport,
-                                  self.max_message_bytes, self.shm_initial_bytes, self.security)
 
 
 class RemoteExperts:
@@ -75,7 +64,7 @@ class RemoteExperts:
         all_layers = moe_layers(g)
         self._local_layers = frozenset(all_layers[:settings.local_layers])
         self._local = ExpertShard(g, layers=sorted(self._local_layers)) if self._local_layers else None
-        self._clients = [ExpertServiceClient(address, settings.connection(), server_name=host)
+        self._clients = [ExpertServiceClient(address, settings, server_name=host)
                          for address, host in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
         # The data path, one thread at a time: every connection's hops are answered in order.
@@ -120,10 +109,7 @@ class RemoteExperts:
     def stats(self) -> dict[str, HopStats]:
         # Unlocked: a hop may hold the data path for up to expert_timeout_s; a torn read of the
         # counters is off by one hop at most.
-        return {c.address: HopStats(c.counters.num_hops, c.counters.hop_s, c.counters.compute_s,
-                                    c.counters.sent_bytes, c.counters.received_bytes,
-                                    c.counters.overhead_us_median(), c.counters.overhead_us_mean(), c.transport)
-                for c in self._clients}
+        return {c.address: c.counters.snapshot(c.transport) for c in self._clients}
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
         """Tokens each (layer, expert) computed, summed over the healthy services (GetStats)."""

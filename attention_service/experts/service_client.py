@@ -21,13 +21,14 @@ import grpc
 import torch
 
 from splitmoe.attention_service.experts.placement import ServiceShard
-from splitmoe.attention_service.experts.links import GrpcLink, HopFailed, Link, ShmLink, Ticket
+from splitmoe.attention_service.experts.backend import HopStats
+from splitmoe.attention_service.experts.links import GrpcLink, HopFailed, Link, Reply, ShmLink, Ticket
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.cluster_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)
-__all__ = ["HopFailed", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters"]
+__all__ = ["HopFailed", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters", "TRANSPORTS"]
 OVERHEAD_WINDOW = 1024  # hops the median overhead is taken over
 
 
@@ -66,15 +67,30 @@ class HopCounters:
     def overhead_us_mean(self) -> float:
         return self.overhead_s / self.num_hops * 1e6 if self.num_hops else 0.0
 
+    def snapshot(self, transport: str) -> HopStats:
+        return HopStats(self.num_hops, self.hop_s, self.compute_s, self.sent_bytes, self.received_bytes,
+                        self.overhead_us_median(), self.overhead_us_mean(), transport)
+
+
+TRANSPORTS = ("auto", "grpc", "shm")
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectionSettings:
-    expert_timeout_s: float
-    connect_timeout_s: float
-    transport: str                 # "auto" | "grpc" | "shm"
-    max_message_bytes: int
-    shm_initial_bytes: int
-    security: ClusterSecurity = ClusterSecurity()
+    """How the attention side talks to one expert service."""
+
+    expert_timeout_s: float = 10.0             # deadline of every hop and every control RPC
+    connect_timeout_s: float = 1.0             # one reconnect attempt to a service marked unhealthy
+    transport: str = "auto"                    # auto: shared memory with services on this host, else gRPC
+    max_message_bytes: int = 1 << 30           # 1 GiB: a long prefill's hidden states in one message
+    shm_initial_bytes: int = 4 << 20           # per connection; grows to the largest request
+    security: ClusterSecurity = ClusterSecurity()  # the secret every call and doorbell carries; TLS
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r}: want one of {', '.join(TRANSPORTS)}")
+        if min(self.expert_timeout_s, self.connect_timeout_s) <= 0:
+            raise ValueError("expert timeouts must be positive")
 
 
 def shard_from_info(address: str, info: expert_pb2.ShardInfo) -> ServiceShard:
@@ -232,10 +248,7 @@ class ExpertServiceClient:
         with an error: it stays healthy, the link stays open).
         """
         try:
-            if hop.ticket is None:
-                raise HopFailed(hop.error)
-            timeout_s = self.settings.expert_timeout_s
-            reply = hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
+            reply = self._reply(hop)
         except HopFailed as e:
             self.mark_unhealthy(hop.link, str(e))
             raise
@@ -245,6 +258,13 @@ class ExpertServiceClient:
         out = reply.output
         self.counters.add(hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, out.nbytes)
         return out
+
+    def _reply(self, hop: Hop) -> Reply:
+        """The hop's answer within the deadline (counted from its sending), else HopFailed."""
+        if hop.ticket is None:
+            raise HopFailed(hop.error)
+        timeout_s = self.settings.expert_timeout_s
+        return hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
 
     # ---- internals (called with self._lock held) ------------------------------------------------
 
@@ -309,10 +329,7 @@ class ExpertServiceClient:
         routing = torch.empty(0, 1, dtype=torch.int32)
         hop = self.submit(self.shard.layers[0] if self.shard.layers else 0, empty, None, routing, routing.float())
         try:
-            if hop.ticket is None:
-                raise HopFailed(hop.error)
-            reply = hop.link.wait(hop.ticket, hop.sent_s + self.settings.expert_timeout_s,
-                                  self.settings.expert_timeout_s)
+            reply = self._reply(hop)
             if reply.error:
                 raise HopFailed(reply.error)
             return ""

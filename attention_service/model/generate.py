@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from splitmoe.attention_service.model.runner import ModelRunner, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner
+from splitmoe.attention_service.model.sequence import Sequence
 
 
 def greedy_tokens(runner: ModelRunner, prompt_ids: list[int], max_new_tokens: int,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
 from splitmoe.attention_service.model.kv_cache import KVCache
@@ -25,18 +26,6 @@ from splitmoe.modelfile.hparams import ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@dataclass
-class Sequence:
-    seq_id: int
-    token_ids: list[int]
-    num_cached_tokens: int = 0  # tokens whose KV is already in the cache
-    num_experts_per_token: int = 0  # routed experts per token; 0: the model's own (or the server's)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
 @dataclass(frozen=True)
 class RunnerOptions:
     dtype: torch.dtype = torch.float32
@@ -47,6 +36,19 @@ class RunnerOptions:
     # 1: a step runs as one batch; 2: a step of several sequences is cut in two by sequence and
     # pipelined, attention of one half overlapping the (remote) experts of the other
     micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype}")
+        if self.micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches must be 1 or 2, not {self.micro_batches}")
+        if self.kv_cache_tokens < 1 or self.kv_block_tokens < 1:
+            raise ValueError("kv_cache_tokens and kv_block_tokens must be >= 1")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" or "bfloat16": the name the CLI and the logs use."""
+    return str(dtype).removeprefix("torch.")
 
 
 def default_device() -> torch.device:

@@ -51,7 +51,7 @@ def _runner(args: argparse.Namespace, kv_cache_tokens: int):
 
 
 def cmd_logits(args: argparse.Namespace) -> int:
-    from splitmoe.attention_service.model.runner import Sequence
+    from splitmoe.attention_service.model.sequence import Sequence
 
     runner = _runner(args, kv_cache_tokens=len(args.token_ids))
     if max(args.token_ids) >= runner.cfg.vocab_size or min(args.token_ids) < 0:

@@ -79,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
+    from splitmoe.attention_service.model.runner import DTYPES, default_device
     from splitmoe.attention_service.server import serve
-    from splitmoe.attention_service.settings import AttentionSettings
+    from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options
     from splitmoe.settings import otlp_endpoint, setup_logging
     from splitmoe.telemetry import setup_tracing
 
@@ -88,19 +90,22 @@ def run(args: argparse.Namespace) -> int:
         from splitmoe.demo_model import demo_model_path
 
         args.model = str(demo_model_path())
+    security = cluster_security(args)
+    runner = serving_runner_options(
+        dtype=DTYPES[args.dtype], device=torch.device(args.device) if args.device else default_device(),
+        kv_cache_tokens=args.kv_cache_tokens, experts_per_token=args.experts_per_token, micro_batches=args.micro_batches)
+    experts = RemoteExpertsSettings(
+        addresses=args.expert_services, expert_timeout_s=args.expert_timeout_s, transport=args.transport,
+        local_layers=args.local_experts, security=security) if args.expert_services else None
     settings = AttentionSettings(
         model_path=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
-        max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,
-        max_waiting_requests=args.max_waiting, expert_services=args.expert_services,
-        local_expert_layers=args.local_experts, transport=args.transport,
-        expert_timeout_s=args.expert_timeout_s, experts_per_token=args.experts_per_token,
-        otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format, micro_batches=args.micro_batches,
-        security=cluster_security(args))
+        runner=runner, experts=experts, max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,
+        max_waiting_requests=args.max_waiting, otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format,
+        security=security)
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
     setup_tracing("splitmoe-attention", settings.otlp_endpoint)
-    logging.getLogger(__name__).info("starting attention service for %s (%s)", settings.model_path, settings.dtype)
+    logging.getLogger(__name__).info("starting attention service for %s (%s)", settings.model_path, args.dtype)
     asyncio.run(serve(settings))
     return 0

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 
 ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
 

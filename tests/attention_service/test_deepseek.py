@@ -23,7 +23,8 @@ import torch
 
 from splitmoe.attention_service.model import transformer
 from splitmoe.attention_service.model.mla import LATENT_ENTRY
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.routing import route
 from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from splitmoe.cli import main

@@ -35,7 +35,7 @@ def services(demo_gguf, tmp_path_factory):
 
 @pytest.fixture(params=["grpc", "shm"])
 def backend(services, demo_gguf, request):
-    settings = RemoteExpertsSettings((services.address("low"), services.address("high")), transport=request.param,
+    settings = RemoteExpertsSettings(addresses=(services.address("low"), services.address("high")), transport=request.param,
                                      **FAST)
     with RemoteExperts(GGUFFile(demo_gguf), settings) as b:
         yield b

@@ -18,7 +18,8 @@ import torch
 
 from splitmoe.attention_service.experts.backend import InProcessExperts
 from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings, resolve_addresses
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.server import _add_expert_stats
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
@@ -56,7 +57,7 @@ def services(demo_gguf, tmp_path_factory, request):
 
 @contextmanager
 def remote(g, *addresses, **settings):
-    backend = RemoteExperts(g, RemoteExpertsSettings(tuple(addresses), **{**FAST, **settings}))
+    backend = RemoteExperts(g, RemoteExpertsSettings(addresses=tuple(addresses), **{**FAST, **settings}))
     try:
         yield backend
     finally:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 
 IDS = [5, 40, 100, 7, 200, 33, 81, 12]
 

@@ -15,7 +15,8 @@ from splitmoe.attention_service.model import attention as attn_mod
 from splitmoe.attention_service.model.attention import attention
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels.linear import QuantEmbedding, QuantLinear
 from tests.support.gguf_edit import rewrite_gguf
 

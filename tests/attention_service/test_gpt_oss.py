@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from splitmoe.attention_service.model import transformer
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels.moe import SWIGLU_OAI_LIMIT
 from splitmoe.cli import main
 from tests.support.cpu_paths import PATHS, forced_path

@@ -16,7 +16,8 @@ from torch.overrides import TorchFunctionMode
 
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.experts.backend import InProcessExperts
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.demo_model import DemoShape, write_demo_model
@@ -156,10 +157,10 @@ def test_split_cuts_by_sequence_near_half_the_tokens(lengths, cut):
 
 
 def test_micro_batches_setting():
-    assert AttentionSettings(model_path="m.gguf").micro_batches == RunnerOptions().micro_batches == 1
+    assert AttentionSettings(model_path="m.gguf").runner.micro_batches == RunnerOptions().micro_batches == 1
     for wrong in (0, 3):
         with pytest.raises(ValueError, match="micro_batches"):
-            AttentionSettings(model_path="m.gguf", micro_batches=wrong)
+            RunnerOptions(micro_batches=wrong)
     from splitmoe.cli import build_parser
 
     args = build_parser().parse_args(["serve-attention", "m.gguf", "--micro-batches", "2"])

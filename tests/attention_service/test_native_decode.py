@@ -20,7 +20,8 @@ import splitmoe.attention_service.model.attention as attention_module
 import splitmoe.attention_service.model.mla as mla_module
 from splitmoe.attention_service.model.attention import grouped_attention
 from splitmoe.attention_service.model.mla import latent_attention
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.kernels import native
 

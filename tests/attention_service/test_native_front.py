@@ -12,14 +12,14 @@ the torch path is.
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from splitmoe.attention_service.model.attention import QK_NORM_FULL, QK_NORM_PER_HEAD
 from splitmoe.attention_service.model.layers import linear, rms_norm
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
 from splitmoe.kernels.linear import QuantLinear
 from splitmoe.kernels.quants import dequantize

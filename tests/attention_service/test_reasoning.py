@@ -7,7 +7,8 @@ import torch
 
 from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.engine.engine import Engine
-from splitmoe.attention_service.model.runner import Sequence
+from splitmoe.attention_service.model.runner import RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.reasoning import HARMONY_MARKERS, TextDelta, detect_reasoning_format, output_text
 from splitmoe.attention_service.engine.request import GenerationRequest
 from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
@@ -291,8 +292,8 @@ def harmony_gguf(tmp_path_factory):
 
 
 def test_reasoning_format_none_returns_the_reasoning_inline(harmony_gguf, harmony):
-    model = load_serving_model(AttentionSettings(model_path=str(harmony_gguf), device="cpu", kv_cache_tokens=256,
-                                                 reasoning_format="none"))
+    model = load_serving_model(AttentionSettings(model_path=str(harmony_gguf), reasoning_format="none",
+                                                 runner=RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=256)))
     assert model.reasoning.name == "harmony"  # found all the same: inline writes the markers out
     request = model.new_request("r", harmony.encode(HARMONY_PROMPT), SamplingOptions(max_tokens=200), None, chat=True)
     text = "".join(request.accept(Sampled(t, 0.0, ())).text for t in harmony.encode(HARMONY_REPLY))

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from splitmoe.attention_service.model.generate import greedy_tokens
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
 from tests.support.processes import (assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,

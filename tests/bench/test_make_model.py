@@ -7,7 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions, Sequence
+from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.bench.make_model import SHAPES, TensorSpec, make_tensor, plan, use_more_bits, write_model
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from splitmoe.modelfile.gguf_file import GGUFFile
