@@ -29,7 +29,7 @@ from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
-from splitmoe.telemetry import extract_grpc_context, tracer
+from splitmoe.runtime.telemetry import extract_grpc_context, tracer
 
 log = logging.getLogger(__name__)
 _tracer = tracer("splitmoe.attention")

@@ -22,9 +22,11 @@ from splitmoe.attention_service.engine.request import GenerationRequest, OutputS
 from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import Scheduler
 from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.chat_template import ChatTemplate
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.tokenizer import Tokenizer
+from splitmoe.runtime.settings import repack_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -142,4 +144,5 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
 
 
 def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:
-    return InProcessExperts(g) if settings.experts is None else RemoteExperts(g, settings.experts)
+    cache = RepackCache(repack_cache_dir())
+    return InProcessExperts(g, cache) if settings.experts is None else RemoteExperts(g, settings.experts, cache)

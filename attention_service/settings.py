@@ -11,7 +11,7 @@ import torch
 
 from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import RunnerOptions
-from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 
 def serving_runner_options(**options) -> RunnerOptions:

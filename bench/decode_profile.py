@@ -128,8 +128,8 @@ def loaded(args):
         from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
         from splitmoe.modelfile.gguf_file import GGUFFile
 
-        from splitmoe.cluster_auth import ClusterSecurity
-        from splitmoe.settings import cluster_token
+        from splitmoe.runtime.cluster_auth import ClusterSecurity
+        from splitmoe.runtime.settings import cluster_token
 
         settings = RemoteExpertsSettings(addresses=tuple(args.expert_services.split(",")), transport=args.transport,
                                          security=ClusterSecurity(token=cluster_token()))

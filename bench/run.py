@@ -50,7 +50,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     from splitmoe.bench.ceiling import ExpertBytes, ceiling_tok_s, dense_bytes_per_token, read_bandwidth_gb_s
     from splitmoe.bench.services import ServicesOptions, run_services
     from splitmoe.modelfile.gguf_file import GGUFFile
-    from splitmoe.commands.up import _make_run_dir
+    from splitmoe.local_stack import make_run_dir
 
     started = time.perf_counter()
     s, w = settings, settings.workload
@@ -61,7 +61,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
         if not available():  # before minutes of measuring, not after
             raise ValueError(f"--baseline llama.cpp needs the {PACKAGE} package: pip install 'splitmoe[bench]'")
-    run_dir = _make_run_dir(s.run_dir or "")
+    run_dir = make_run_dir(s.run_dir or "")
     say(f"splitmoe bench run: {Path(s.model_path).name}, {s.threads} threads; logs in {run_dir}/")
     g = GGUFFile(s.model_path)
     vocab = len(g.get("tokenizer.ggml.tokens", [])) or int(g.arch_require("vocab_size"))

@@ -48,8 +48,8 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
                  say: Callable[[str], None]) -> ServicesResult:
     """Start the stack, measure, stop it. Raises ServiceFailed (a service died; its log quoted)
     or KeyboardInterrupt (Ctrl-C, which the supervisor catches while its children run)."""
-    from splitmoe.cluster_auth import ClusterSecurity
-    from splitmoe.commands.up import UpSettings, split_threads
+    from splitmoe.runtime.cluster_auth import ClusterSecurity
+    from splitmoe.local_stack import UpSettings, split_threads
     from splitmoe.supervisor import StopRequested, Supervisor
 
     settings = UpSettings(model_path=model_path, num_expert_services=options.expert_services,
@@ -76,13 +76,13 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
 
 
 def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -> str:
-    from splitmoe.commands.up import _expert_count, attention_spec, expert_specs
+    from splitmoe.local_stack import attention_spec, expert_count_of, expert_specs
     from splitmoe.supervisor import free_port
 
     env = ("env", f"OMP_WAIT_POLICY={options.omp_wait_policy}") if options.omp_wait_policy else ()
     ports = [free_port() for _ in range(options.expert_services)]
     if ports:
-        specs = expert_specs(settings, _expert_count(settings.model_path), ports)
+        specs = expert_specs(settings, expert_count_of(settings.model_path), ports)
         supervisor.start_stage([dataclasses.replace(s, argv=(*env, *s.argv)) for s in specs])
     attention = attention_spec(settings, free_port(), [f"127.0.0.1:{p}" for p in ports])
     w = workload

@@ -26,7 +26,7 @@ from splitmoe.expert_service.shard import HostedShard
 from splitmoe.kernels import native
 from splitmoe.proto import codec, doorbell
 from splitmoe.proto.shm import Peer, ShmRegion
-from splitmoe.telemetry import tracer
+from splitmoe.runtime.telemetry import tracer
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

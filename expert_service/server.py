@@ -26,7 +26,7 @@ from splitmoe.expert_service.shard import HostedShard, ShardDescription
 from splitmoe.kernels import native
 from splitmoe.modelfile.experts import format_ranges
 from splitmoe.proto import codec, expert_pb2, expert_pb2_grpc
-from splitmoe.telemetry import extract_grpc_context, tracer
+from splitmoe.runtime.telemetry import extract_grpc_context, tracer
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 
 @dataclass(frozen=True, slots=True)

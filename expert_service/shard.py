@@ -19,6 +19,7 @@ import torch
 
 from splitmoe.expert_service.native_hops import NativeHops
 from splitmoe.kernels import native
+from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
@@ -44,8 +45,8 @@ class HostedShard:
     """The replaceable expert shard of one GGUF file, with per-(layer, expert) token counts."""
 
     def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None,
-                 prepare_fast: bool = True):
-        self.g = g
+                 prepare_fast: bool = True, repack_cache: RepackCache | None = None):
+        self.g, self.repack_cache = g, repack_cache
         self._prepare_fast = prepare_fast
         cfg = ModelConfig.from_gguf(g)  # checked: the sizes below come from the file
         self.hidden_size = cfg.hidden_size
@@ -114,7 +115,7 @@ class HostedShard:
             layers, experts = (), ()  # half-empty is empty: nothing to compute
         hosted = torch.zeros(self.num_experts, dtype=torch.int64)
         hosted[list(experts)] = 1
-        shard = ExpertShard(self.g, layers, experts)
+        shard = ExpertShard(self.g, layers, experts, repack_cache=self.repack_cache)
         fast = shard.prepare_fast() if self._prepare_fast and layers else {}
         if self.native_hops is not None:
             self.native_hops.set_layers(fast)

@@ -19,7 +19,7 @@ from splitmoe.gateway.attention_types import (
 from splitmoe.gateway.settings import GatewaySettings
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto.attention_pb2_grpc import AttentionServiceStub
-from splitmoe.telemetry import inject_grpc_metadata
+from splitmoe.runtime.telemetry import inject_grpc_metadata
 
 # The attention service's status codes, as the HTTP status the gateway answers with; any other is a 500.
 HTTP_STATUS = {

@@ -1,7 +1,7 @@
 """The gateway's settings: parsed once at the edge (CLI + environment), read-only after.
 
 This is the only gateway module that reads the environment (process-wide variables through
-splitmoe.settings); everything else gets a `GatewaySettings`.
+splitmoe.runtime.settings); everything else gets a `GatewaySettings`.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from splitmoe import settings as process_settings
-from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.runtime import settings as process_settings
+from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 # The fallback of --api-key (llama-server reads LLAMA_API_KEY the same way).
 ENV_API_KEY = "SPLITMOE_API_KEY"

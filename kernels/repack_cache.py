@@ -60,13 +60,10 @@ def cache_key(identity: str, layer: int, experts: Iterable[int]) -> str:
 
 
 class RepackCache:
-    """Cache files under `directory` (default: `splitmoe.settings.cache_dir() / "int4pack"`)."""
+    """Cache files under `directory`: the caller's choice (the services take
+    `splitmoe.runtime.settings.repack_cache_dir()`), as the kernels import nothing of ours."""
 
-    def __init__(self, directory: str | os.PathLike | None = None):
-        if directory is None:
-            from splitmoe.settings import cache_dir
-
-            directory = cache_dir() / "int4pack"
+    def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self._warned = False
 

@@ -98,11 +98,10 @@ def _layer_tensors(g: GGUFFile, layer: int, experts: Iterable[int]) -> list[Quan
 
 
 def build_fast_layers(g: GGUFFile, ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]], *,
-                      use_native: bool = True, cache: RepackCache | None | str = "default",
+                      use_native: bool = True, cache: RepackCache | None = None,
                       progress: bool | None = None) -> dict[int, ek.FastMoELayer]:
     """Every layer's `FastMoELayer`: native where the kernels can run the expert, else int4-repacked
-    (Q4_0/Q4_1/Q4_K, from/into `cache`) or dequantized per call. `cache="default"`: under
-    splitmoe.settings.cache_dir(); None: no disk cache."""
+    (Q4_0/Q4_1/Q4_K, from/into `cache`; None: no disk cache) or dequantized per call."""
     ek.sync_native_threads()
     use_native = use_native and ek.native_available()
     num_experts = expert_count(g)
@@ -112,8 +111,6 @@ def build_fast_layers(g: GGUFFile, ffns_by_layer: Mapping[int, Mapping[int, Expe
                  for layer, ffns in ffns_by_layer.items()}
     int4: dict[int, dict] = {}
     if any(to_repack.values()):
-        if cache == "default":
-            cache = RepackCache()
         identities = {layer: f"{g.file_id}|{tensor_digest(_layer_tensors(g, layer, fs))}"
                       for layer, fs in to_repack.items() if fs}
         int4 = load_or_repack({layer: fs for layer, fs in to_repack.items() if fs}, identities, g.path.name,
@@ -149,11 +146,12 @@ def _log_fast_path(fast: Mapping[int, ek.FastMoELayer], ffns_by_layer: Mapping[i
 class ExpertShard:
     """The (layer, expert) pairs one process hosts, and the expert FFN over them."""
 
-    def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None):
+    def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None, *,
+                 repack_cache: RepackCache | None = None):
         self.layers = sorted(moe_layers(g) if layers is None else layers)
         self.experts = sorted(range(expert_count(g)) if experts is None else experts)
         self._ffns = {layer: load_layer_experts(g, layer, self.experts) for layer in self.layers}
-        self._g = g
+        self._g, self.repack_cache = g, repack_cache
         self._fast: dict[int, ek.FastMoELayer] | None = None
         self._fast_lock = threading.Lock()
 
@@ -166,7 +164,7 @@ class ExpertShard:
         if fast is None:
             with self._fast_lock:
                 if self._fast is None:
-                    self._fast = build_fast_layers(self._g, self._ffns, progress=progress)
+                    self._fast = build_fast_layers(self._g, self._ffns, cache=self.repack_cache, progress=progress)
                 fast = self._fast
         return fast
 

@@ -11,7 +11,7 @@ import importlib.metadata
 import sys
 import traceback
 
-from splitmoe.settings import log_level
+from splitmoe.runtime.settings import log_level
 from splitmoe.supervisor import die_with_supervisor
 
 COMMAND_MODULES = (

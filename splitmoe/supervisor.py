@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
-from splitmoe import settings
+from splitmoe.runtime import settings
 
 if TYPE_CHECKING:
-    from splitmoe.cluster_auth import ClusterSecurity
+    from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 POLL_S = 0.2
 PROBE_TIMEOUT_S = 1.0
@@ -48,13 +48,13 @@ class Probe(Protocol):
 
 class GrpcHealthProbe:
     """grpc.health.v1 Check on one address: healthy means SERVING. Check is open to callers
-    without the cluster secret (splitmoe.cluster_auth); a TLS service needs `security`'s CA."""
+    without the cluster secret (splitmoe.runtime.cluster_auth); a TLS service needs `security`'s CA."""
 
     def __init__(self, address: str, service: str = "", security: ClusterSecurity | None = None):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from splitmoe.cluster_auth import ClusterSecurity
+        from splitmoe.runtime.cluster_auth import ClusterSecurity
 
         self._grpc, self._pb, self.service = grpc, health_pb2, service
         # Short reconnect backoff: a service that starts listening late is seen within a second,

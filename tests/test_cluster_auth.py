@@ -1,4 +1,4 @@
-"""splitmoe/cluster_auth.py: the cluster secret's rules, and TLS links between real servers.
+"""splitmoe/runtime/cluster_auth.py: the cluster secret's rules, and TLS links between real servers.
 
 The secret's refusal on every RPC is tested per service (tests/expert_service/test_server.py,
 tests/attention_service/test_server.py). Here: what counts as a secret and where it may be read
@@ -27,7 +27,7 @@ from splitmoe.gateway.settings import GatewaySettings
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.cli import main
-from splitmoe.cluster_auth import ClusterSecurity, is_loopback
+from splitmoe.runtime.cluster_auth import ClusterSecurity, is_loopback
 from tests.support.processes import CLUSTER, free_port, wait_grpc_serving
 from tests.support.tls import make_pki
 

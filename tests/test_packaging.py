@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 
 from tests.support.processes import REPO
 
@@ -16,7 +15,7 @@ def product_folders() -> tuple[str, ...]:
                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PRODUCT")
 
 
-def test_a_wheel_installs_only_the_splitmoe_package(tmp_path):
+def test_a_fresh_venv_gains_only_the_splitmoe_package(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "*.so",
                                                              ".pytest_cache", "tests"))
@@ -25,8 +24,24 @@ def test_a_wheel_installs_only_the_splitmoe_package(tmp_path):
                     "-w", str(tmp_path / "dist"), str(src)], check=True, env=env, timeout=300,
                    capture_output=True)
     [wheel] = (tmp_path / "dist").glob("splitmoe-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"splitmoe", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    [site] = venv.glob("lib/python*/site-packages")
+    before = set(os.listdir(site))
+    # this interpreter's pip installs into the venv; --no-deps: what splitmoe itself adds
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps",
+                    "-q", str(wheel)], check=True, timeout=300, capture_output=True)
+    added = set(os.listdir(site)) - before
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
+    assert added == {"splitmoe", dist_info}
+    package = site / "splitmoe"
     for folder in product_folders():
-        assert f"splitmoe/{folder}/__init__.py" in names, folder
-    assert "splitmoe/attention_service/models/__init__.py" in names  # subpackages come along
+        assert (package / folder / "__init__.py").is_file(), folder
+    assert (package / "attention_service" / "models" / "__init__.py").is_file()  # subpackages come along
+    assert (package / "runtime" / "__init__.py").is_file()
+    assert not list(package.rglob("tests")), "tests stay out of the install"
+    # Run from elsewhere, the installed copy answers for every name, and nothing of the checkout
+    code = "import splitmoe, splitmoe.runtime.topology as t; print(splitmoe.__path__, t.__file__)"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, check=True, timeout=60,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == f"[{str(package)!r}] {package / 'runtime' / 'topology.py'}"

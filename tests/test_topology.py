@@ -1,5 +1,5 @@
-"""splitmoe.topology against fake sysfs trees (these machines have one NUMA node)."""
-from splitmoe.topology import numa_nodes
+"""splitmoe.runtime.topology against fake sysfs trees (these machines have one NUMA node)."""
+from splitmoe.runtime.topology import numa_nodes
 
 
 def make_nodes(root, cpulists):

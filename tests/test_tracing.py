@@ -25,7 +25,7 @@ from splitmoe.expert_service.shard import HostedShard
 from splitmoe.gateway.app import build_app
 from splitmoe.gateway.settings import GatewaySettings
 from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.telemetry import setup_tracing
+from splitmoe.runtime.telemetry import setup_tracing
 from tests.support.processes import CLUSTER, free_port, wait_grpc_serving
 
 

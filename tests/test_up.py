@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from splitmoe.cli import build_parser
-from splitmoe.commands.up import (
+from splitmoe.commands.up import curl_example
+from splitmoe.local_stack import (
     UpSettings,
     attention_spec,
     connect_host,
-    curl_example,
     expert_ranges,
     expert_specs,
     gateway_spec,

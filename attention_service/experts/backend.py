@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from splitmoe.attention_service.experts.placement import ServiceShard
+from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 
@@ -65,8 +66,8 @@ class Ready:
 class InProcessExperts:
     """All routed experts of the file, computed in this process (eagerly: nothing to overlap)."""
 
-    def __init__(self, g: GGUFFile):
-        self.shard = ExpertShard(g)
+    def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None):
+        self.shard = ExpertShard(g, repack_cache=repack_cache)
         self._counts = {layer: torch.zeros(expert_count(g), dtype=torch.long) for layer in self.shard.layers}
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,

@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from splitmoe.proto import codec, doorbell, expert_pb2, expert_pb2_grpc
 from splitmoe.proto.shm import ShmRegion
-from splitmoe.telemetry import inject_grpc_metadata
+from splitmoe.runtime.telemetry import inject_grpc_metadata
 
 _END_OF_REQUESTS = object()
 

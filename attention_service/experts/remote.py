@@ -26,6 +26,7 @@ from splitmoe.attention_service.experts.service_client import (ConnectionSetting
                                                      Hop, HopFailed)
 from splitmoe.attention_service.experts.backend import ExpertsHandle, HopStats, Ready, ServiceHealth
 from splitmoe.kernels import native
+from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 
@@ -59,11 +60,12 @@ class RemoteExperts:
 
     max_in_flight = 2  # layer calls submitted and not yet waited for (proto.doorbell.NUM_SLOTS)
 
-    def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings):
+    def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, repack_cache: RepackCache | None = None):
         self.settings = settings
         all_layers = moe_layers(g)
         self._local_layers = frozenset(all_layers[:settings.local_layers])
-        self._local = ExpertShard(g, layers=sorted(self._local_layers)) if self._local_layers else None
+        self._local = (ExpertShard(g, layers=sorted(self._local_layers), repack_cache=repack_cache)
+                       if self._local_layers else None)
         self._clients = [ExpertServiceClient(address, settings, server_name=host)
                          for address, host in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}

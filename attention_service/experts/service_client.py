@@ -25,7 +25,7 @@ from splitmoe.attention_service.experts.backend import HopStats
 from splitmoe.attention_service.experts.links import GrpcLink, HopFailed, Link, Reply, ShmLink, Ticket
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
-from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)
 __all__ = ["HopFailed", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters", "TRANSPORTS"]

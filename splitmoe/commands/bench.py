@@ -78,9 +78,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitmoe.bench.report import context_lines, table
     from splitmoe.bench.run import BenchSettings, run_bench as bench, write_json
     from splitmoe.bench.workload import Workload
-    from splitmoe.commands.up import usable_cpus
+    from splitmoe.runtime.topology import usable_cpus
     from splitmoe.supervisor import ServiceFailed
-    from splitmoe.topology import numa_nodes
+    from splitmoe.runtime.topology import numa_nodes
 
     sweep = tuple(n for n in (2, 4, 8) if n < args.streams) if args.plot else ()
     workload = Workload(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, streams=args.streams,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from splitmoe.cluster_auth import ClusterSecurity
+    from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 
 def add_cluster_flags(p: argparse.ArgumentParser, serves: bool, calls: bool) -> None:
@@ -37,8 +37,8 @@ def add_cluster_flags(p: argparse.ArgumentParser, serves: bool, calls: bool) -> 
 
 
 def cluster_security(args: argparse.Namespace) -> ClusterSecurity:
-    from splitmoe import settings
-    from splitmoe.cluster_auth import ClusterSecurity
+    from splitmoe.runtime import settings
+    from splitmoe.runtime.cluster_auth import ClusterSecurity
 
     return ClusterSecurity.load(settings.cluster_token(), args.cluster_token_file, args.tls_cert, args.tls_key,
                                 args.tls_ca)
@@ -55,7 +55,7 @@ def add_api_key_flags(p: argparse.ArgumentParser) -> None:
 
 def api_key(args: argparse.Namespace) -> str | None:
     """The key of --api-key-file or --api-key; None: neither given."""
-    from splitmoe.cluster_auth import read_secret_file
+    from splitmoe.runtime.cluster_auth import read_secret_file
 
     if args.api_key_file is None:
         return args.api_key

@@ -18,8 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitmoe import settings
-    from splitmoe.cluster_auth import ClusterSecurity, read_secret_file
+    from splitmoe.runtime import settings
+    from splitmoe.runtime.cluster_auth import ClusterSecurity, read_secret_file
 
     path: Path = args.path
     given = settings.cluster_token().strip()

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from splitmoe.attention_service.model.runner import DTYPES, default_device
     from splitmoe.attention_service.server import serve
     from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options
-    from splitmoe.settings import otlp_endpoint, setup_logging
-    from splitmoe.telemetry import setup_tracing
+    from splitmoe.runtime.settings import otlp_endpoint, setup_logging
+    from splitmoe.runtime.telemetry import setup_tracing
 
     if args.model is None:
         from splitmoe.demo_model import demo_model_path

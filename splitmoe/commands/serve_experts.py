@@ -49,7 +49,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from splitmoe.expert_service.settings import ExpertServiceSettings
-    from splitmoe.settings import otlp_endpoint
+    from splitmoe.runtime.settings import otlp_endpoint
 
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
@@ -65,8 +65,8 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     import threading
 
     from splitmoe.expert_service.server import ExpertServer, describe_shard
-    from splitmoe.settings import setup_logging
-    from splitmoe.telemetry import setup_tracing
+    from splitmoe.runtime.settings import setup_logging
+    from splitmoe.runtime.telemetry import setup_tracing
 
     setup_logging()
     _apply_cpu_settings(settings)
@@ -97,12 +97,14 @@ def _apply_cpu_settings(settings: ExpertServiceSettings) -> None:
 
 def _hosted_shard(settings: ExpertServiceSettings) -> HostedShard:
     from splitmoe.expert_service.shard import HostedShard
+    from splitmoe.kernels.repack_cache import RepackCache
     from splitmoe.modelfile.gguf_file import GGUFFile
+    from splitmoe.runtime.settings import repack_cache_dir
 
     g = GGUFFile(settings.model_path)
     if settings.unassigned:
-        return HostedShard(g, layers=(), experts=())
-    hosted = HostedShard(g, layers=())  # read the file's MoE layers first
+        return HostedShard(g, layers=(), experts=(), repack_cache=RepackCache(repack_cache_dir()))
+    hosted = HostedShard(g, layers=(), repack_cache=RepackCache(repack_cache_dir()))  # read the file's MoE layers first
     layers = hosted.moe_layers if settings.layers is None else [i for i in settings.layers if i in hosted.moe_layers]
     if not layers:
         raise ValueError(f"--layers {settings.layers[0]}-{settings.layers[-1]}: no MoE layer in that range "

@@ -32,8 +32,8 @@ def cmd_serve_gateway(args: argparse.Namespace) -> int:
 
     from splitmoe.gateway.app import build_app
     from splitmoe.gateway.settings import GatewaySettings
-    from splitmoe.settings import setup_logging
-    from splitmoe.telemetry import setup_tracing
+    from splitmoe.runtime.settings import setup_logging
+    from splitmoe.runtime.telemetry import setup_tracing
 
     settings = GatewaySettings.from_env(
         attention_address=args.attention, host=args.host, port=args.port, api_key=api_key(args),

@@ -24,7 +24,7 @@ from splitmoe.attention_service.server import _add_expert_stats
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import attention_pb2
-from splitmoe.cluster_auth import ClusterSecurity
+from splitmoe.runtime.cluster_auth import ClusterSecurity
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import CLUSTER, free_port
 

@@ -19,7 +19,7 @@ from splitmoe.bench.report import add_ratios, table
 from splitmoe.bench.services import hop_overhead
 from splitmoe.bench.workload import StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, make_prompts, normal_token_ids
 from splitmoe.proto import attention_pb2 as pb
-from splitmoe.topology import numa_nodes
+from splitmoe.runtime.topology import numa_nodes
 from tests.support.processes import run_splitmoe
 
 SMALL = ["--prompt-tokens", "32", "--decode-tokens", "6", "--streams", "3", "--stream-prompt-tokens", "4",

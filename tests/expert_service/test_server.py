@@ -269,7 +269,7 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
     from splitmoe.expert_service.server import ExpertServer
     from splitmoe.expert_service.settings import ExpertServiceSettings
     from splitmoe.expert_service.shard import HostedShard
-    from splitmoe.telemetry import inject_grpc_metadata, setup_tracing
+    from splitmoe.runtime.telemetry import inject_grpc_metadata, setup_tracing
 
     spans = InMemorySpanExporter()
     setup_tracing("test-experts", extra_processors=[SimpleSpanProcessor(spans)])

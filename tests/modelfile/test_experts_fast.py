@@ -13,6 +13,7 @@ from gguf.quants import quantize
 
 from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels import repack_cache
+from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.kernels.moe import moe_forward
 from splitmoe.modelfile import experts as experts_mod
 from splitmoe.modelfile.experts import ExpertShard, load_layer_experts
@@ -57,9 +58,8 @@ def no_native(monkeypatch):
 
 
 @pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    return tmp_path / "splitmoe" / "int4pack"
+def cache_home(tmp_path):
+    return tmp_path / "int4pack"
 
 
 def test_float32_keeps_the_exact_reference(demo_gguf):
@@ -74,7 +74,7 @@ def test_float32_keeps_the_exact_reference(demo_gguf):
 @pytest.mark.parametrize("model", ["demo_gguf", "q4_gguf"])
 @pytest.mark.parametrize("mode", [pytest.param("native", marks=NATIVE), "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_takes_the_fast_path(model, mode, dtype, request, monkeypatch, cache_home):
+def test_half_precision_takes_the_fast_path(model, mode, dtype, request):
     if mode == "torch":
         request.getfixturevalue("no_native")
     g = GGUFFile(request.getfixturevalue(model))
@@ -114,21 +114,23 @@ def test_without_native_q4_experts_are_repacked_once_then_read_from_the_cache(q4
     monkeypatch.setattr(repack_cache, "repack_expert", lambda ffn: repacked.append(1) or real(ffn))
     g = GGUFFile(q4_gguf)
     with caplog.at_level(logging.INFO):
-        first = ExpertShard(g, layers=[0, 1], experts=range(4)).prepare_fast()
+        first = ExpertShard(g, layers=[0, 1], experts=range(4), repack_cache=RepackCache(cache_home)).prepare_fast()
     assert len(repacked) == 8 and all(len(layer.int4) == 4 for layer in first.values())
     assert len(list((cache_home / "demo-q4.gguf").iterdir())) == 2
     assert "pure torch, native kernels unavailable (disabled by the test): 8 Q4 experts int4-repacked" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        ExpertShard(GGUFFile(q4_gguf), layers=[0, 1], experts=range(4)).prepare_fast()
+        ExpertShard(GGUFFile(q4_gguf), layers=[0, 1], experts=range(4),
+                    repack_cache=RepackCache(cache_home)).prepare_fast()
     assert len(repacked) == 8 and "2 from the cache, 0 repacked" in caplog.text
-    ExpertShard(g, layers=[0], experts=range(3)).prepare_fast()  # another shard: its own file
+    # another shard: its own file
+    ExpertShard(g, layers=[0], experts=range(3), repack_cache=RepackCache(cache_home)).prepare_fast()
     assert len(repacked) == 11 and len(list((cache_home / "demo-q4.gguf").iterdir())) == 3
 
 
 @NATIVE
 def test_with_native_nothing_is_repacked(q4_gguf, cache_home, caplog):
     with caplog.at_level(logging.INFO):
-        fast = ExpertShard(GGUFFile(q4_gguf)).prepare_fast()
+        fast = ExpertShard(GGUFFile(q4_gguf), repack_cache=RepackCache(cache_home)).prepare_fast()
     assert all(not layer.int4 and layer.native_experts == 8 for layer in fast.values())
     assert "nothing repacked" in caplog.text and not cache_home.exists()

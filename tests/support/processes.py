@@ -17,8 +17,8 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitmoe.cluster_auth import ClusterSecurity
-from splitmoe.settings import CLUSTER_TOKEN_ENV
+from splitmoe.runtime.cluster_auth import ClusterSecurity
+from splitmoe.runtime.settings import CLUSTER_TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = ClusterSecurity(token="tests-cluster-secret-0123456789")

@@ -32,6 +32,11 @@ def cache_dir() -> Path:
     return Path(base) / "splitmoe"
 
 
+def repack_cache_dir() -> Path:
+    """Where experts int4-repacked for torch's kernels are kept (only when the native ones cannot run)."""
+    return cache_dir() / "int4pack"
+
+
 def log_level() -> str:
     return os.environ.get("SPLITMOE_LOG_LEVEL", "INFO").upper()
 
