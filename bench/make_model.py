@@ -236,20 +236,14 @@ def _write_metadata(w: GGUFWriter, s: Shape, shape: str, layers: int, quant: str
     w.add_name(f"SplitMoE bench {shape} {layers}/{s.full_layers} layers {quant} (random weights)")
     w.add_file_type(QUANTS[quant])
     w.add_quantization_version(GGML_QUANT_VERSION)
-    w.add_block_count(layers)
-    w.add_context_length(s.context)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.dense_ffn)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(s.norm_eps)
-    w.add_expert_count(s.experts)
-    w.add_expert_used_count(s.experts_used)
-    w.add_expert_feed_forward_length(s.expert_ffn)
-    w.add_vocab_size(vocab)
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, s.context),
+                       (w.add_embedding_length, s.hidden), (w.add_feed_forward_length, s.dense_ffn),
+                       (w.add_head_count, s.heads), (w.add_head_count_kv, s.kv_heads),
+                       (w.add_key_length, s.head_dim), (w.add_value_length, s.head_dim),
+                       (w.add_rope_freq_base, s.rope_theta), (w.add_layer_norm_rms_eps, s.norm_eps),
+                       (w.add_expert_count, s.experts), (w.add_expert_used_count, s.experts_used),
+                       (w.add_expert_feed_forward_length, s.expert_ffn), (w.add_vocab_size, vocab)):
+        add(value)
 
 
 def _write_tokenizer(w: GGUFWriter, s: Shape, vocab: int) -> None:

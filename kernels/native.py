@@ -199,6 +199,15 @@ def _ptr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+def _out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, what: str,
+         zeroed: bool = False) -> torch.Tensor:
+    """The caller's `out`, checked, or a new tensor (zeroed where the kernel accumulates into it)."""
+    if out is None:
+        return torch.zeros(shape, dtype=dtype) if zeroed else torch.empty(shape, dtype=dtype)
+    _check_out(out, shape, dtype, what)
+    return out
+
+
 def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
     if not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape \
             or out.device.type != "cpu" or not out.is_contiguous():
@@ -253,10 +262,7 @@ class WeightMatmul:
         """float32 [m, n]: the weights' outputs side by side, in the order given."""
         x = _check_x(x, self.k, "matmul")
         m, n = x.shape[0], self.n
-        if out is None:
-            out = torch.empty(m, n, dtype=torch.float32)
-        else:
-            _check_out(out, (m, n), torch.float32, "matmul")
+        out = _out(out, (m, n), torch.float32, "matmul")
         if m == 0 or n == 0:
             return out
         rc = _lib.smk_matmul_multi(self._count, self._types, self._ptrs, self._strides, self._ns, self.k,
@@ -297,10 +303,7 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Te
         nrows, rows_ptr = idx.numel(), idx.data_ptr()
     else:
         shape, nrows, rows_ptr = tuple(w.shape), n, None
-    if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    else:
-        _check_out(out, shape, dtype, "dequantize")
+    out = _out(out, shape, dtype, "dequantize")
     if nrows == 0:
         return out
     rc = _lib.smk_dequantize(int(w.ggml_type), _ptr(data), row_bytes, n, k, rows_ptr, nrows,
@@ -398,10 +401,7 @@ class MoELayer:
                 or expert_weights.dtype != torch.float32:
             raise ValueError(f"MoELayer.forward: expert_weights must be float32 [{T_}, {K}], got "
                              f"{getattr(expert_weights, 'shape', None)} {getattr(expert_weights, 'dtype', None)}")
-        if out is None:
-            out = torch.zeros(T_, D, dtype=torch.float32)
-        else:
-            _check_out(out, (T_, D), torch.float32, "MoELayer.forward")
+        out = _out(out, (T_, D), torch.float32, "MoELayer.forward", zeroed=True)
         if T_ == 0 or K == 0:
             return out
         ids = expert_ids.to(device="cpu", dtype=torch.int32).contiguous()

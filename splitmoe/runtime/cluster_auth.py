@@ -245,7 +245,7 @@ class _SendToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 
 class _AioWithToken:
     """asyncio channels file an interceptor under the first call kind it implements, so each
-    kind gets its own class; they share this."""
+    kind gets its own class (made below); they share this."""
 
     def __init__(self, token: str):
         self._header = (METADATA_KEY, f"Bearer {token}")
@@ -254,26 +254,16 @@ class _AioWithToken:
         metadata = grpc.aio.Metadata(*(d.metadata or ()), self._header)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
-
-class _AioUnaryUnary(_AioWithToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
+    async def _intercept(self, continuation, client_call_details, request_or_iterator):
+        return await continuation(self._with_token(client_call_details), request_or_iterator)
 
 
-class _AioUnaryStream(_AioWithToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
-
-
-class _AioStreamUnary(_AioWithToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_token(client_call_details), request_iterator)
-
-
-class _AioStreamStream(_AioWithToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_token(client_call_details), request_iterator)
+_AIO_KINDS = tuple(
+    type(f"_Aio{kind}", (_AioWithToken, getattr(grpc.aio, f"{kind}ClientInterceptor")),
+         {f"intercept_{method}": _AioWithToken._intercept})
+    for kind, method in (("UnaryUnary", "unary_unary"), ("UnaryStream", "unary_stream"),
+                         ("StreamUnary", "stream_unary"), ("StreamStream", "stream_stream")))
 
 
 def _aio_send_token(token: str) -> list[_AioWithToken]:
-    return [kind(token) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
+    return [kind(token) for kind in _AIO_KINDS]
