@@ -22,7 +22,9 @@ import torch
 
 from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.attention_service.experts.backend import HopStats
-from splitmoe.attention_service.experts.links import GrpcLink, HopFailed, Link, Reply, ShmLink, Ticket
+from splitmoe.attention_service.experts.grpc_link import GrpcLink
+from splitmoe.attention_service.experts.links import HopFailed, Link, Reply, Ticket
+from splitmoe.attention_service.experts.shm_link import ShmLink
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
