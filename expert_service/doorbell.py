@@ -44,7 +44,7 @@ class DoorbellServer:
         self._listener = doorbell.new_socket()
         self._listener.bind(doorbell.socket_address(self.address))
         self._listener.listen(64)
-        self._connections: dict[socket.socket, _Connection] = {}
+        self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -81,7 +81,7 @@ class DoorbellServer:
                 if self._closed:
                     conn.close()
                     return
-                self._connections[conn] = connection
+                self._connections.add(conn)
             threading.Thread(target=self._serve, args=(connection,), name="expert-doorbell-conn", daemon=True).start()
 
     def _serve(self, connection: "_Connection") -> None:
@@ -94,7 +94,7 @@ class DoorbellServer:
         finally:
             connection.close()
             with self._lock:
-                self._connections.pop(connection.socket, None)
+                self._connections.discard(connection.socket)
 
 
 class _ProtocolError(Exception):
