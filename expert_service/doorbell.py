@@ -24,7 +24,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
-from splitmoe.expert_service.hops import HopHandler
+from splitmoe.expert_service.hops import HopHandler, Lane
 from splitmoe.expert_service.native_hops import NativeConnection
 from splitmoe.kernels import native
 from splitmoe.proto import codec, doorbell
@@ -109,7 +109,8 @@ class _Connection:
         self._handler = handler
         self._token = token
         self._peer: Peer = doorbell.peer_of(conn)
-        self._native: NativeConnection | None = None
+        self._lane: Lane | None = None  # this connection's hops answered in Python
+        self._native: NativeConnection | None = None  # and the C++ loop's, with the native kernels
         self._stopped: BaseException | None = None  # what ended the native loop from a Python answer
         self._slots: list[doorbell.Slot | None] = [None] * doorbell.NUM_SLOTS
         self._hop: tuple = ()  # the hop being answered: slot, announcement, tokens, top_k, hidden size, dtype
@@ -122,15 +123,16 @@ class _Connection:
         conn.settimeout(_HANDSHAKE_TIMEOUT_S)  # a peer that never proves itself must not keep a thread
         self._handshake()
         conn.settimeout(None)
-        if self._handler.hosted.native_hops is not None:
-            self._run_native()
-            return
-        while True:
-            length = conn.recv_into(received)
-            if length == 0:
-                return  # the client hung up
-            self._answer(length)
-            native.park()  # the attention side computes until the next hop: leave it the cores
+        with self._handler.lane() as self._lane:
+            if self._handler.hosted.native_hops is not None:
+                self._run_native()
+                return
+            while True:
+                length = conn.recv_into(received)
+                if length == 0:
+                    return  # the client hung up
+                self._answer(length)
+                native.park()  # the attention side computes until the next hop: leave it the cores
 
     def _run_native(self) -> None:
         """The C++ loop answers decode hops itself and hands this connection every other message."""
@@ -160,10 +162,10 @@ class _Connection:
         (_, wire_dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
          announced_length, trace_length) = doorbell.REQUEST.unpack_from(received)
         start = doorbell.REQUEST.size + announced_length
-        traceparent = received[start:start + trace_length] if trace_length else None
+        parent = _trace_parent(received[start:start + trace_length]) if trace_length else None
         self._hop = (slot, received[doorbell.REQUEST.size:start] if announced_length else None,
                      num_tokens, top_k, hidden_size, wire_dtype)
-        compute_s, error = self._handler.answer(layer, _trace_parent(traceparent), self)
+        compute_s, error = self._handler.answer(self._lane, layer, parent, self)
         doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD,
                                  doorbell.STATUS_ERROR if error else doorbell.STATUS_OK, seq, start_ns,
                                  time.monotonic_ns(), int(compute_s * 1e9))
@@ -180,8 +182,10 @@ class _Connection:
         slot, announced, num_tokens, top_k, hidden_size, wire_dtype = self._hop
         if announced is not None:
             self._map(slot, announced)
-        self._check_slot(slot)
-        mapped = self._slots[slot]
+        try:
+            mapped = self._slots[slot]
+        except IndexError:
+            raise _bad_slot(slot) from None
         if mapped is None:
             raise ValueError(f"slot {slot} has no shared-memory region yet")
         views = self._hop_views = mapped.views(num_tokens, top_k, hidden_size, codec.torch_dtype(wire_dtype))
@@ -236,7 +240,8 @@ class _Connection:
         return f"peer pid {self._peer.pid} uid {self._peer.uid}"
 
     def _map(self, slot: int, announced: bytearray) -> None:
-        self._check_slot(slot)
+        if slot >= doorbell.NUM_SLOTS:
+            raise _bad_slot(slot)
         name, num_bytes = doorbell.parse_announcement(announced)
         region = ShmRegion.attach(name, num_bytes, self._peer)
         old, self._slots[slot] = self._slots[slot], doorbell.Slot(region)
@@ -246,14 +251,11 @@ class _Connection:
         if old is not None:
             old.close()
 
-    @staticmethod
-    def _check_slot(slot: int) -> None:
-        if slot >= doorbell.NUM_SLOTS:
-            raise ValueError(f"slot {slot}: a connection has {doorbell.NUM_SLOTS}")
 
-
-def _trace_parent(traceparent: bytearray | None) -> otel_context.Context | None:
-    """The caller's trace context from a W3C traceparent; None when the hop carries none."""
-    if traceparent is None:
-        return None
+def _trace_parent(traceparent: bytearray) -> otel_context.Context:
+    """The caller's trace context from the W3C traceparent a hop carries."""
     return propagate.extract({"traceparent": traceparent.decode(errors="replace")})
+
+
+def _bad_slot(slot: int) -> ValueError:
+    return ValueError(f"slot {slot}: a connection has {doorbell.NUM_SLOTS}")

@@ -24,15 +24,16 @@ class ForwardFrontEnd:
 
     def serve(self, requests: Iterator[expert_pb2.ExpertRequest], context) -> Iterator[expert_pb2.ExpertResponse]:
         stream_parent = extract_grpc_context(context.invocation_metadata())
-        for request in requests:
-            parent = extract_grpc_context(request.trace_context.items()) if request.trace_context else stream_parent
-            hop = _MessageHop(request)
-            compute_s, error = self._handler.answer(request.layer, parent, hop)
-            response = hop.response if not error else expert_pb2.ExpertResponse(step_id=request.step_id,
-                                                                                layer=request.layer, error=error)
-            response.compute_s = compute_s
-            native.park()  # the attention side computes until the next hop: leave it the cores
-            yield response
+        with self._handler.lane() as lane:
+            for request in requests:
+                parent = extract_grpc_context(request.trace_context.items()) if request.trace_context else stream_parent
+                hop = _MessageHop(request)
+                compute_s, error = self._handler.answer(lane, request.layer, parent, hop)
+                response = hop.response if not error else expert_pb2.ExpertResponse(
+                    step_id=request.step_id, layer=request.layer, error=error)
+                response.compute_s = compute_s
+                native.park()  # the attention side computes until the next hop: leave it the cores
+                yield response
 
 
 class _MessageHop:
