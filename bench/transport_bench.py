@@ -50,6 +50,7 @@ class TrivialShard:
 
     hidden_size = HIDDEN
     g = _StubFile()
+    native_hops = None  # no C++ hop loop: every doorbell hop goes through Python
 
     def describe(self):
         from splitmoe.expert_service.shard import ShardDescription

@@ -5,9 +5,10 @@ the process) and one thread per attention connection. Any local process can conn
 abstract socket, so a connection first proves it holds the cluster secret (a challenge answered
 with an HMAC), and the kernel tells who it is (SO_PEERCRED): it may then name up to `NUM_SLOTS`
 shared-memory regions, each of which must be its own (proto/shm.py `ShmRegion.attach`). A
-request's tensors are views of its slot (no copy, no allocation beyond a few cached tensor
-views), `HostedShard.forward` computes, and the output is copied into the slot's output area
-before the reply header goes back.
+request's tensors are views of its slot (proto/doorbell.py `Slot`: no copy, no allocation beyond
+a few cached tensor views), the hop handler (expert_service/hops.py) computes, and the output is
+copied into the slot's output area before the reply header goes back. With the native kernels a
+C++ loop (expert_service/native_hops.py) answers decode hops itself and hands the rest to Python.
 """
 from __future__ import annotations
 
@@ -18,33 +19,32 @@ import secrets
 import socket
 import threading
 import time
-import torch
-from opentelemetry import propagate, trace
 
+import torch
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+
+from splitmoe.expert_service.hops import HopHandler, Lane
 from splitmoe.expert_service.native_hops import NativeConnection
-from splitmoe.expert_service.shard import HostedShard
 from splitmoe.kernels import native
 from splitmoe.proto import codec, doorbell
 from splitmoe.proto.shm import Peer, ShmRegion
-from splitmoe.runtime.telemetry import tracer
 
 log = logging.getLogger(__name__)
-_tracer = tracer(__name__)
-_MAX_CACHED_VIEWS = 64
 _HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class DoorbellServer:
     """Accepts doorbell connections and answers their hops, until closed."""
 
-    def __init__(self, hosted: HostedShard, token: str):
-        self._hosted = hosted
+    def __init__(self, handler: HopHandler, token: str):
+        self._handler = handler
         self._token = token  # empty: no cluster secret, every local process may connect
         self.address = f"@splitmoe-experts-{os.getpid()}-{secrets.token_hex(6)}"
         self._listener = doorbell.new_socket()
         self._listener.bind(doorbell.socket_address(self.address))
         self._listener.listen(64)
-        self._connections: dict[socket.socket, _Connection] = {}
+        self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -58,18 +58,6 @@ class DoorbellServer:
         except OSError:
             pass
         self._listener.close()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Until no hop is being computed (connections may stay open), or the timeout."""
-        deadline_s = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                busy = any(c.computing for c in self._connections.values())
-            if not busy:
-                return True
-            if time.monotonic() >= deadline_s:
-                return False
-            time.sleep(0.005)  # shutdown only: a flag per hop is cheaper than a condition
 
     def close_connections(self) -> None:
         """Hang up on every client: each fails its hops over at once instead of timing out."""
@@ -88,12 +76,12 @@ class DoorbellServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            connection = _Connection(conn, self._hosted, self._token)
+            connection = _Connection(conn, self._handler, self._token)
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                self._connections[conn] = connection
+                self._connections.add(conn)
             threading.Thread(target=self._serve, args=(connection,), name="expert-doorbell-conn", daemon=True).start()
 
     def _serve(self, connection: "_Connection") -> None:
@@ -106,7 +94,7 @@ class DoorbellServer:
         finally:
             connection.close()
             with self._lock:
-                self._connections.pop(connection.socket, None)
+                self._connections.discard(connection.socket)
 
 
 class _ProtocolError(Exception):
@@ -114,42 +102,43 @@ class _ProtocolError(Exception):
 
 
 class _Connection:
-    def __init__(self, conn: socket.socket, hosted: HostedShard, token: str):
+    """One attention connection: its handshake, its slots, and its hops, answered in order."""
+
+    def __init__(self, conn: socket.socket, handler: HopHandler, token: str):
         self.socket = self._conn = conn
-        self._hosted = hosted
+        self._handler = handler
         self._token = token
         self._peer: Peer = doorbell.peer_of(conn)
-        self._computing = False  # for the shutdown drain (the native loop keeps its own flag)
-        self._native: NativeConnection | None = None
+        self._lane: Lane | None = None  # this connection's hops answered in Python
+        self._native: NativeConnection | None = None  # and the C++ loop's, with the native kernels
         self._stopped: BaseException | None = None  # what ended the native loop from a Python answer
-        self._regions: list[ShmRegion | None] = [None] * doorbell.NUM_SLOTS
-        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._slots: list[doorbell.Slot | None] = [None] * doorbell.NUM_SLOTS
+        self._hop: tuple = ()  # the hop being answered: slot, announcement, tokens, top_k, hidden size, dtype
+        self._hop_views: doorbell.SlotViews | None = None
         self._received = bytearray(doorbell.MAX_MESSAGE_BYTES)
         self._reply = bytearray(doorbell.MAX_MESSAGE_BYTES)
-
-    @property
-    def computing(self) -> bool:
-        return self._computing or (self._native is not None and self._native.computing)
 
     def run(self) -> None:
         conn, received = self._conn, self._received
         conn.settimeout(_HANDSHAKE_TIMEOUT_S)  # a peer that never proves itself must not keep a thread
         self._handshake()
         conn.settimeout(None)
-        if self._hosted.native_hops is not None:
-            self._run_native()
-            return
-        while True:
-            length = conn.recv_into(received)
-            if length == 0:
-                return  # the client hung up
-            self._answer(length)
-            native.park()  # the attention side computes until the next hop: leave it the cores
+        with self._handler.lane() as self._lane:
+            if self._handler.hosted.native_hops is not None:
+                self._run_native()
+                return
+            while True:
+                length = conn.recv_into(received)
+                if length == 0:
+                    return  # the client hung up
+                self._answer(length)
+                native.park()  # the attention side computes until the next hop: leave it the cores
 
     def _run_native(self) -> None:
         """The C++ loop answers decode hops itself and hands this connection every other message."""
-        self._native = self._hosted.native_hops.connect(self._conn.fileno())
-        rc = self._native.serve(self._answer_native)
+        self._native = self._handler.hosted.native_hops.connect(self._conn.fileno())
+        with self._handler.native_loop(self._native):
+            rc = self._native.serve(self._answer_native)
         if self._stopped is not None:
             raise self._stopped
         if rc < 0:
@@ -166,37 +155,55 @@ class _Connection:
 
     def _answer(self, length: int) -> None:
         """Answer one hop request of `length` bytes in self._received, on the socket."""
-        conn, received = self._conn, self._received
+        received = self._received
         start_ns = time.monotonic_ns()
         if length < doorbell.REQUEST.size or received[0] != doorbell.KIND_FORWARD:
             raise _ProtocolError(f"a {length}-byte message that is not a hop request")
-        (_, dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
+        (_, wire_dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
          announced_length, trace_length) = doorbell.REQUEST.unpack_from(received)
-        status, compute_ns, error = doorbell.STATUS_OK, 0, b""
-        try:
-            if announced_length:
-                self._map(slot, received[doorbell.REQUEST.size:doorbell.REQUEST.size + announced_length])
-            start = doorbell.REQUEST.size + announced_length
-            traceparent = received[start:start + trace_length] if trace_length else None
-            compute_ns = self._forward_traced(traceparent, slot, layer, num_tokens, top_k, hidden_size, dtype)
-        # Whatever one request does wrong, the connection must survive for the next layer.
-        except Exception as e:  # noqa: BLE001
-            log.warning("forward layer %d: %s", layer, e)
-            status = doorbell.STATUS_ERROR
-            error = f"{type(e).__name__}: {e}".encode()[:len(self._reply) - doorbell.REPLY.size]
-        doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD, status, seq, start_ns,
-                                 time.monotonic_ns(), compute_ns)
+        start = doorbell.REQUEST.size + announced_length
+        parent = _trace_parent(received[start:start + trace_length]) if trace_length else None
+        self._hop = (slot, received[doorbell.REQUEST.size:start] if announced_length else None,
+                     num_tokens, top_k, hidden_size, wire_dtype)
+        compute_s, error = self._handler.answer(self._lane, layer, parent, self)
+        doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD,
+                                 doorbell.STATUS_ERROR if error else doorbell.STATUS_OK, seq, start_ns,
+                                 time.monotonic_ns(), int(compute_s * 1e9))
         size = doorbell.REPLY.size
         if error:
-            self._reply[size:size + len(error)] = error
-            size += len(error)
-        conn.send(memoryview(self._reply)[:size])
+            message = error.encode()[:len(self._reply) - size]
+            self._reply[size:size + len(message)] = message
+            size += len(message)
+        self._conn.send(memoryview(self._reply)[:size])
+
+    # ---- the hop being answered, as the handler reads and writes it (hops.Hop) -------------------
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slot, announced, num_tokens, top_k, hidden_size, wire_dtype = self._hop
+        if announced is not None:
+            self._map(slot, announced)
+        try:
+            mapped = self._slots[slot]
+        except IndexError:
+            raise _bad_slot(slot) from None
+        if mapped is None:
+            raise ValueError(f"slot {slot} has no shared-memory region yet")
+        views = self._hop_views = mapped.views(num_tokens, top_k, hidden_size, codec.torch_dtype(wire_dtype))
+        return views.hidden, views.expert_ids, views.expert_weights
+
+    def deliver(self, output: torch.Tensor) -> None:
+        into = self._hop_views.output
+        if output.shape != into.shape:
+            raise ValueError(f"the shard returned {list(output.shape)} for {list(into.shape)}")
+        into.copy_(output)
+
+    # ---- the connection --------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._views.clear()
-        for region in self._regions:
-            if region is not None:
-                region.close()
+        self._hop_views = None
+        for mapped in self._slots:
+            if mapped is not None:
+                mapped.close()
         self._conn.close()
         if self._native is not None:
             self._native.close()
@@ -233,60 +240,22 @@ class _Connection:
         return f"peer pid {self._peer.pid} uid {self._peer.uid}"
 
     def _map(self, slot: int, announced: bytearray) -> None:
-        self._check_slot(slot)
+        if slot >= doorbell.NUM_SLOTS:
+            raise _bad_slot(slot)
         name, num_bytes = doorbell.parse_announcement(announced)
         region = ShmRegion.attach(name, num_bytes, self._peer)
-        old, self._regions[slot] = self._regions[slot], region
-        self._views = {k: v for k, v in self._views.items() if k[0] != slot}
+        old, self._slots[slot] = self._slots[slot], doorbell.Slot(region)
+        self._hop_views = None  # may be the old region's
         if self._native is not None:  # before the old region goes: the loop must never read it again
             self._native.set_region(slot, region.address, region.num_bytes)
         if old is not None:
             old.close()
 
-    def _forward_traced(self, traceparent: bytearray | None, *hop) -> int:
-        if traceparent is None:
-            return self._forward(*hop)
-        parent = propagate.extract({"traceparent": traceparent.decode(errors="replace")})
-        if not trace.get_current_span(parent).get_span_context().is_valid:
-            return self._forward(*hop)
-        with _tracer.start_as_current_span("expert.forward", context=parent, attributes={"splitmoe.layer": hop[1]}):
-            return self._forward(*hop)
 
-    def _forward(self, slot: int, layer: int, num_tokens: int, top_k: int, hidden_size: int, wire_dtype: int) -> int:
-        """Compute one hop in place; returns the expert compute time in ns."""
-        key = (slot, num_tokens, top_k, hidden_size, wire_dtype)
-        views = self._views.get(key)
-        if views is None:
-            views = self._new_views(*key)
-        hidden, expert_ids, expert_weights, output = views
-        self._computing = True
-        try:
-            out, compute_s = self._hosted.forward(layer, hidden, expert_ids, expert_weights)
-            if out.shape != output.shape:
-                raise ValueError(f"the shard returned {list(out.shape)} for {list(output.shape)}")
-            output.copy_(out)
-        finally:
-            self._computing = False
-        return int(compute_s * 1e9)
+def _trace_parent(traceparent: bytearray) -> otel_context.Context:
+    """The caller's trace context from the W3C traceparent a hop carries."""
+    return propagate.extract({"traceparent": traceparent.decode(errors="replace")})
 
-    def _new_views(self, slot: int, num_tokens: int, top_k: int, hidden_size: int,
-                   wire_dtype: int) -> tuple[torch.Tensor, ...]:
-        self._check_slot(slot)
-        region = self._regions[slot]
-        if region is None:
-            raise ValueError(f"slot {slot} has no shared-memory region yet")
-        dtype = codec.torch_dtype(wire_dtype)
-        layout = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype)
-        views = (region.view(layout.hidden, (num_tokens, hidden_size), dtype),
-                 region.view(layout.expert_ids, (num_tokens, top_k), torch.int32),
-                 region.view(layout.expert_weights, (num_tokens, top_k), torch.float32),
-                 region.view(layout.output, (num_tokens, hidden_size), dtype))
-        if len(self._views) >= _MAX_CACHED_VIEWS:
-            self._views.clear()
-        self._views[(slot, num_tokens, top_k, hidden_size, wire_dtype)] = views
-        return views
 
-    @staticmethod
-    def _check_slot(slot: int) -> None:
-        if slot >= doorbell.NUM_SLOTS:
-            raise ValueError(f"slot {slot}: a connection has {doorbell.NUM_SLOTS}")
+def _bad_slot(slot: int) -> ValueError:
+    return ValueError(f"slot {slot}: a connection has {doorbell.NUM_SLOTS}")

@@ -1,58 +1,41 @@
-"""The expert service's gRPC surface: ExpertService plus the standard grpc.health.v1 service.
+"""The expert service's gRPC surface and wiring: ExpertService, the standard grpc.health.v1 service,
+and the hops' two front-ends over one handler (expert_service/hops.py).
 
-Forward is one long-lived bidirectional stream per attention connection: one request per MoE
-layer per step, answered in order. A bad request is answered in-band (`error`), so one
-malformed message never tears down the stream the next layer needs. Attention services on the
-same host use the shared-memory doorbell instead (expert_service/doorbell.py), advertised in
-ShardInfo: the same hops without a gRPC message each.
+Control (DescribeShard, LoadShard, GetStats) is answered here. Hops arrive on the Forward stream
+(expert_service/forward_stream.py) or, from attention services on the same host, on the
+shared-memory doorbell (expert_service/doorbell.py), advertised in ShardInfo: the same hops
+without a gRPC message each.
 """
 from __future__ import annotations
 
 import logging
 import socket
-import threading
-import time
 from concurrent import futures
 from typing import Iterator
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry import trace
 
 from splitmoe.expert_service.doorbell import DoorbellServer
+from splitmoe.expert_service.forward_stream import ForwardFrontEnd
+from splitmoe.expert_service.hops import HopHandler
 from splitmoe.expert_service.settings import ExpertServiceSettings
 from splitmoe.expert_service.shard import HostedShard, ShardDescription
-from splitmoe.kernels import native
 from splitmoe.modelfile.experts import format_ranges
-from splitmoe.proto import codec, expert_pb2, expert_pb2_grpc
-from splitmoe.runtime.telemetry import extract_grpc_context, tracer
+from splitmoe.proto import expert_pb2, expert_pb2_grpc
 
 log = logging.getLogger(__name__)
-_tracer = tracer(__name__)
 SERVICE_NAME = "splitmoe.v1.ExpertService"
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, hosted: HostedShard, doorbell: str = ""):
+    def __init__(self, hosted: HostedShard, forward: ForwardFrontEnd, doorbell: str = ""):
         self.hosted = hosted
         self.doorbell = doorbell  # the doorbell's address, advertised in ShardInfo
+        self._forward = forward
         self._hostname = socket.gethostname()
         self._file_id = hosted.g.file_id
-        self._num_busy = 0  # requests being computed, for the shutdown drain
-        self._idle = threading.Condition()
-
-    def busy(self, delta: int) -> None:
-        """+1 when a request starts computing, -1 when it is done."""
-        with self._idle:
-            self._num_busy += delta
-            if not self._num_busy:
-                self._idle.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Until no request is being computed (streams may stay open), or the timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._num_busy == 0, timeout_s)
 
     def DescribeShard(self, request: expert_pb2.DescribeShardRequest, context) -> expert_pb2.ShardInfo:
         return self._shard_info(self.hosted.describe())
@@ -73,46 +56,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             num_requests=totals.num_requests, compute_s_total=totals.compute_s)
 
     def Forward(self, request_iterator: Iterator[expert_pb2.ExpertRequest], context) -> Iterator[expert_pb2.ExpertResponse]:
-        stream_context = extract_grpc_context(context.invocation_metadata())
-        for request in request_iterator:
-            answer = self._answer(request, stream_context)
-            native.park()  # the attention side computes until the next hop: leave it the cores
-            yield answer
-
-    def _answer(self, request: expert_pb2.ExpertRequest, stream_context) -> expert_pb2.ExpertResponse:
-        self.busy(1)
-        try:
-            return self._answer_traced(request, stream_context)
-        finally:
-            self.busy(-1)
-
-    def _answer_traced(self, request: expert_pb2.ExpertRequest, stream_context) -> expert_pb2.ExpertResponse:
-        parent = extract_grpc_context(request.trace_context.items()) if request.trace_context else stream_context
-        if not trace.get_current_span(parent).get_span_context().is_valid:
-            # No caller trace to join: a root span per layer call would be noise, and costs ~50 us.
-            return self._answer_in_band(request)
-        with _tracer.start_as_current_span("expert.forward", context=parent,
-                                           attributes={"splitmoe.layer": request.layer}):
-            return self._answer_in_band(request)
-
-    def _answer_in_band(self, request: expert_pb2.ExpertRequest) -> expert_pb2.ExpertResponse:
-        try:
-            return self._compute(request)
-        # Whatever one request does wrong, the stream must survive for the next layer.
-        except Exception as e:  # noqa: BLE001
-            trace.get_current_span().record_exception(e)
-            log.warning("forward layer %d: %s", request.layer, e)
-            return expert_pb2.ExpertResponse(step_id=request.step_id, layer=request.layer,
-                                             error=f"{type(e).__name__}: {e}")
-
-    def _compute(self, request: expert_pb2.ExpertRequest) -> expert_pb2.ExpertResponse:
-        hidden = codec.decode(request.hidden)
-        expert_ids = codec.decode(request.expert_ids)
-        expert_weights = codec.decode(request.expert_weights)
-        out, compute_s = self.hosted.forward(request.layer, hidden, expert_ids, expert_weights)
-        response = expert_pb2.ExpertResponse(step_id=request.step_id, layer=request.layer, compute_s=compute_s)
-        codec.encode(out, response.output)
-        return response
+        return self._forward.serve(request_iterator, context)
 
     def _shard_info(self, described: ShardDescription) -> expert_pb2.ShardInfo:
         g = self.hosted.g
@@ -135,10 +79,10 @@ class ExpertServer:
 
     def __init__(self, settings: ExpertServiceSettings, hosted: HostedShard):
         self.settings = settings
-        self.servicer = ExpertServicer(hosted)
-        self.doorbell = DoorbellServer(hosted, settings.security.token) if settings.doorbell else None
-        if self.doorbell is not None:
-            self.servicer.doorbell = self.doorbell.address
+        self.hops = HopHandler(hosted)
+        self.doorbell = DoorbellServer(self.hops, settings.security.token) if settings.doorbell else None
+        self.servicer = ExpertServicer(hosted, ForwardFrontEnd(self.hops),
+                                       self.doorbell.address if self.doorbell is not None else "")
         self.health = health.HealthServicer()
         options = [("grpc.max_send_message_length", settings.max_message_bytes),
                    ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -170,9 +114,7 @@ class ExpertServer:
         self._server.stop(self.settings.shutdown_grace_s)  # refuses new calls from now on
         if self.doorbell is not None:
             self.doorbell.stop_accepting()
-        deadline_s = time.monotonic() + self.settings.shutdown_grace_s
-        self.servicer.wait_idle(self.settings.shutdown_grace_s)
+        self.hops.wait_idle(self.settings.shutdown_grace_s)  # both front-ends' hops
         if self.doorbell is not None:
-            self.doorbell.wait_idle(max(deadline_s - time.monotonic(), 0.0))
             self.doorbell.close_connections()
         self._server.stop(0).wait()

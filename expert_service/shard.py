@@ -20,7 +20,7 @@ import torch
 from splitmoe.expert_service.native_hops import NativeHops
 from splitmoe.kernels import native
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, format_ranges, moe_layers
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, ExpertTokenCounts, expert_count, format_ranges, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 
@@ -52,7 +52,7 @@ class HostedShard:
         self.hidden_size = cfg.hidden_size
         self.num_experts = expert_count(g)
         self.moe_layers = tuple(moe_layers(g))
-        self._tokens = torch.zeros(cfg.num_layers, self.num_experts, dtype=torch.int64)
+        self._tokens = ExpertTokenCounts(cfg.num_layers, self.num_experts)
         self._lock = threading.Lock()
         self._num_requests, self._compute_s = 0, 0.0
         # The shared-memory hop loop in C++ serves decode hops itself and counts them there.
@@ -90,10 +90,8 @@ class HostedShard:
         """Tokens routed to each hosted (layer, expert) since start."""
         shard = self._shard
         with self._lock:
-            tokens = self._tokens if self.native_hops is None else self._tokens + self.native_hops.tokens
-            rows = tokens[list(shard.layers)][:, list(shard.experts)].tolist() if shard.experts else []
-        return {ExpertKey(layer, expert): n
-                for layer, row in zip(shard.layers, rows) for expert, n in zip(shard.experts, row)}
+            return self._tokens.read(shard.layers, shard.experts,
+                                     None if self.native_hops is None else self.native_hops.tokens)
 
     def totals(self) -> ShardTotals:
         with self._lock:
@@ -130,10 +128,7 @@ class HostedShard:
             raise ValueError(f"expert_weights must be {list(expert_ids.shape)} float, got {list(expert_weights.shape)}")
 
     def _count(self, layer: int, expert_ids: torch.Tensor, hosted: torch.Tensor, compute_s: float) -> None:
-        # Shifted by one so the -1 ("computed elsewhere") slots land in bin 0 and drop out.
-        shifted = expert_ids.reshape(-1).long() + 1
-        counts = torch.bincount(shifted, minlength=self.num_experts + 1)[1:self.num_experts + 1] * hosted
         with self._lock:
-            self._tokens[layer] += counts
+            self._tokens.add(layer, expert_ids, hosted)
             self._num_requests += 1
             self._compute_s += compute_s

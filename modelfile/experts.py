@@ -200,3 +200,25 @@ def format_ranges(what: str, values: Iterable[int]) -> str:
             spans.append(f"{start}-{prev}" if prev != start else f"{start}")
             start = cur
     return f"{what} {','.join(spans)}"
+
+
+class ExpertTokenCounts:
+    """Tokens routed to each (layer, expert), for load statistics: both services count this way."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.table = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # [layer, expert]
+
+    def add(self, layer: int, expert_ids: torch.Tensor, hosted: torch.Tensor | None = None) -> None:
+        """Count one layer call's routing; `hosted` ([num_experts] 0/1): only those experts count."""
+        num_experts = self.table.shape[1]
+        # Shifted by one so the -1 slots (dropped, or computed elsewhere) land in bin 0 and drop out.
+        counts = torch.bincount(expert_ids.reshape(-1).long() + 1, minlength=num_experts + 1)[1:num_experts + 1]
+        self.table[layer] += counts if hosted is None else counts * hosted
+
+    def read(self, layers: Iterable[int], experts: Iterable[int],
+             plus: torch.Tensor | None = None) -> dict[ExpertKey, int]:
+        """The counts of these (layer, expert) pairs, with `plus` (a table counted elsewhere) added."""
+        layers, experts = list(layers), list(experts)
+        table = self.table if plus is None else self.table + plus
+        rows = table[layers][:, experts].tolist() if layers and experts else []
+        return {ExpertKey(layer, expert): n for layer, row in zip(layers, rows) for expert, n in zip(experts, row)}

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.proto.shm import Peer, align_up, tensor_nbytes
+from splitmoe.proto import codec
+from splitmoe.proto.shm import Peer, ShmRegion, align_up, tensor_nbytes
 
 VERSION = 2
 MAGIC = b"SMDB"
@@ -84,6 +85,52 @@ def slot_layout(num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtyp
     weights = ids + routing_bytes
     output = weights + routing_bytes
     return SlotLayout(0, ids, weights, output, output + hidden_bytes)
+
+
+class SlotTooSmall(ValueError):
+    """A hop's tensors do not fit its slot's region (the attention side then grows the region)."""
+
+
+class SlotViews:
+    """One hop shape's tensors over a slot's region, at `slot_layout`'s offsets (no copy)."""
+
+    __slots__ = ("hidden", "expert_ids", "expert_weights", "output", "wire_dtype", "input_bytes")
+
+    def __init__(self, region: ShmRegion, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype):
+        layout = slot_layout(num_tokens, top_k, hidden_size, dtype)
+        if layout.num_bytes > region.num_bytes:
+            raise SlotTooSmall(f"shared memory {region.name}: bytes 0..{layout.num_bytes} outside the region "
+                               f"({region.num_bytes} bytes)")
+        self.hidden = region.view(layout.hidden, (num_tokens, hidden_size), dtype)
+        self.expert_ids = region.view(layout.expert_ids, (num_tokens, top_k), torch.int32)
+        self.expert_weights = region.view(layout.expert_weights, (num_tokens, top_k), torch.float32)
+        self.output = region.view(layout.output, (num_tokens, hidden_size), dtype)
+        self.wire_dtype = codec.proto_dtype(dtype)
+        self.input_bytes = num_tokens * (hidden_size * dtype.itemsize + top_k * 8)  # ids and weights: 4 bytes each
+
+
+class Slot:
+    """One slot's region, mapped on either side, with its tensor views made once per hop shape."""
+
+    MAX_SHAPES = 64  # a few shapes recur (decode sizes); prefill lengths vary
+
+    def __init__(self, region: ShmRegion):
+        self.region = region
+        self._views: dict[tuple, SlotViews] = {}
+
+    def views(self, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> SlotViews:
+        """SlotTooSmall when the hop does not fit the region."""
+        key = (num_tokens, top_k, hidden_size, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= self.MAX_SHAPES:
+                self._views.clear()
+            views = self._views[key] = SlotViews(self.region, num_tokens, top_k, hidden_size, dtype)
+        return views
+
+    def close(self) -> None:
+        self._views.clear()  # before the region: a view left alive keeps its mapping
+        self.region.close()
 
 
 def proof(token: str, challenge: bytes) -> bytes:

@@ -15,7 +15,7 @@ import torch
 
 from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, ExpertTokenCounts, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 
@@ -68,14 +68,13 @@ class InProcessExperts:
 
     def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None):
         self.shard = ExpertShard(g, repack_cache=repack_cache)
-        self._counts = {layer: torch.zeros(expert_count(g), dtype=torch.long) for layer in self.shard.layers}
+        self._counts = ExpertTokenCounts(max(self.shard.layers, default=-1) + 1, expert_count(g))
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                 expert_weights: torch.Tensor) -> torch.Tensor:
         ids = expert_ids.cpu()
-        counts = self._counts[layer]
-        counts += torch.bincount(ids[ids >= 0], minlength=counts.numel())  # -1: a dropped slot
         out = self.shard.forward(layer, hidden.cpu(), ids, expert_weights.cpu())
+        self._counts.add(layer, ids)
         return out.to(hidden.device)
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
@@ -89,8 +88,8 @@ class InProcessExperts:
         return {}
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
-        return {ExpertKey(layer, e): n for layer, c in self._counts.items()
-                for e, n in enumerate(c.tolist()) if n}
+        counts = self._counts.read(self.shard.layers, self.shard.experts)
+        return {key: n for key, n in counts.items() if n}
 
     def close(self) -> None:
         pass

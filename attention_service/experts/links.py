@@ -1,37 +1,26 @@
-"""How one hop's tensors travel to an expert service: a link per connection, gRPC or shared memory.
+"""How one hop's tensors travel to an expert service: a `Link` per connection, whatever the transport.
 
-Both links take several hops in flight (one per micro-batch), answered in order, and report per
-hop the expert's compute time and the transport's overhead (the rest of the round trip):
+Every link takes several hops in flight (one per micro-batch), answered in order, and reports per
+hop the expert's compute time and the transport's overhead (the rest of the round trip). Two
+transports implement it:
 
-- `GrpcLink`: tensors as bytes inside the messages of one long-lived Forward stream; works
-  across hosts. Each hop costs a protobuf encode and decode and two hand-offs between threads.
-- `ShmLink`: the co-located fast path (proto/doorbell.py): the tensors are written straight into
-  a preallocated shared-memory slot and a 32-byte header goes over a Unix socket; the service
-  writes its output into the same slot. No per-hop allocation beyond the header's few objects.
+- `grpc_link.GrpcLink`: tensors as bytes inside the messages of one long-lived Forward stream;
+  works across hosts. Each hop costs a protobuf encode and decode and two hand-offs between threads.
+- `shm_link.ShmLink`: the co-located fast path (proto/doorbell.py): the tensors are written
+  straight into a preallocated shared-memory slot and a 32-byte header goes over a Unix socket;
+  the service writes its output into the same slot. No per-hop allocation beyond the header's few
+  objects.
 """
 from __future__ import annotations
 
-import collections
-import itertools
-import queue
-import select
-import socket
-import struct
-import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Any, Protocol
 
-import grpc
 import torch
 from opentelemetry import trace
 
-from splitmoe.proto import codec, doorbell, expert_pb2, expert_pb2_grpc
-from splitmoe.proto.shm import ShmRegion
-from splitmoe.runtime.telemetry import inject_grpc_metadata
-
-_END_OF_REQUESTS = object()
+Ticket = Any  # what a link's submit returned, for its wait: each link has its own
 
 
 class HopFailed(Exception):
@@ -48,320 +37,20 @@ class Reply:
     overhead_s: float             # the rest of the hop: what the transport cost
 
 
-# ---- gRPC ---------------------------------------------------------------------------------------
-
-class ForwardStream:
-    """An open Forward call: requests go out in order, responses come back in order."""
-
-    def __init__(self, stub: expert_pb2_grpc.ExpertServiceStub, on_end: Callable[[str], None]):
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: collections.deque[futures.Future] = collections.deque()
-        self._end_error: str | None = None
-        self._on_end = on_end
-        self._call = stub.Forward(iter(self._requests.get, _END_OF_REQUESTS), metadata=inject_grpc_metadata())
-        threading.Thread(target=self._read_responses, name="expert-stream-reader", daemon=True).start()
-
-    def submit(self, request: expert_pb2.ExpertRequest) -> futures.Future:
-        """A future of (response, its arrival, the previous response's arrival), perf_counter seconds."""
-        future: futures.Future = futures.Future()
-        self._pending.append(future)
-        if self._end_error is not None:  # the reader may have drained before our append
-            _fail(future, self._end_error)
-        else:
-            self._requests.put(request)
-        return future
-
-    def close(self) -> None:
-        self._requests.put(_END_OF_REQUESTS)
-        self._call.cancel()
-
-    def _read_responses(self) -> None:
-        previous_s = 0.0
-        try:
-            for response in self._call:
-                arrived_s = time.perf_counter()
-                self._pending.popleft().set_result((response, arrived_s, previous_s))
-                previous_s = arrived_s
-            error = "the service ended the stream"
-        except grpc.RpcError as e:
-            error = f"{e.code().name}: {e.details()}"
-        except IndexError:
-            error = "the service answered a request that was never sent"
-        self._end_error = error  # set before draining: see submit
-        while self._pending:
-            _fail(self._pending.popleft(), error)
-        self._on_end(error)
-
-
-def _fail(future: futures.Future, error: str) -> None:
-    if not future.done():
-        try:
-            future.set_exception(HopFailed(error))
-        except futures.InvalidStateError:
-            pass  # the other side of the race failed it first
-
-
-@dataclass(slots=True)
-class GrpcTicket:
-    future: futures.Future
-    step_id: int
-    start_s: float   # perf_counter when submit began
-
-
-class GrpcLink:
-    """Tensors as bytes inside the messages of one Forward stream."""
-
-    name = "grpc"
-
-    def __init__(self, stub: expert_pb2_grpc.ExpertServiceStub, on_end: Callable[["GrpcLink", str], None]):
-        self._step_ids = itertools.count(1)
-        self._stream = ForwardStream(stub, lambda error: on_end(self, error))
+class Link(Protocol):
+    name: str  # the transport, as health and stats report it
 
     def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> tuple[GrpcTicket, int]:
-        """(the hop's ticket, tensor bytes sent)."""
-        start_s = time.perf_counter()
-        step_id = next(self._step_ids)
-        request = expert_pb2.ExpertRequest(step_id=step_id, layer=layer)
-        if spans_exported():
-            request.trace_context.update(inject_grpc_metadata())
-        codec.encode(hidden if rows is None else hidden.index_select(0, rows), request.hidden)
-        codec.encode(expert_ids.to(torch.int32), request.expert_ids)
-        codec.encode(expert_weights if rows is None else expert_weights.index_select(0, rows), request.expert_weights)
-        sent_bytes = len(request.hidden.data) + len(request.expert_ids.data) + len(request.expert_weights.data)
-        return GrpcTicket(self._stream.submit(request), step_id, start_s), sent_bytes
+               expert_weights: torch.Tensor) -> tuple[Ticket, int]:
+        """Send hidden[rows] (every row when None) with their routing; (the hop's ticket, tensor bytes sent)."""
+        ...
 
-    def wait(self, ticket: GrpcTicket, deadline_s: float, timeout_s: float) -> Reply:
-        """deadline_s: perf_counter seconds; timeout_s: for the message only."""
-        try:
-            response, arrived_s, previous_s = ticket.future.result(timeout=max(deadline_s - time.perf_counter(), 0.0))
-        except futures.TimeoutError:
-            raise HopFailed(f"no answer within expert_timeout_s={timeout_s:g}") from None
-        if response.step_id != ticket.step_id:
-            raise HopFailed(f"answer to request {response.step_id} while waiting for {ticket.step_id}")
-        # A request sent while the service still worked on the previous one waited for it: only
-        # the time after the previous answer is this hop's (an estimate: one-way latency is lost).
-        overhead_s = arrived_s - max(ticket.start_s, previous_s) - response.compute_s
-        if response.error:
-            return Reply(None, response.error, response.compute_s, max(overhead_s, 0.0))
-        return Reply(codec.decode(response.output), "", response.compute_s, max(overhead_s, 0.0))
+    def wait(self, ticket: Ticket, deadline_s: float, timeout_s: float) -> Reply:
+        """The hop's reply by deadline_s (perf_counter seconds), else HopFailed; timeout_s: for the message only."""
+        ...
 
     def close(self) -> None:
-        self._stream.close()
-
-
-# ---- shared memory ------------------------------------------------------------------------------
-
-class _SlotViews:
-    """One hop shape's tensors over a slot (per proto.doorbell.slot_layout), made once per shape."""
-
-    __slots__ = ("hidden", "expert_ids", "expert_weights", "output", "wire_dtype", "input_bytes")
-
-    def __init__(self, region: ShmRegion, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype):
-        layout = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype)
-        self.hidden = region.view(layout.hidden, (num_tokens, hidden_size), dtype)
-        self.expert_ids = region.view(layout.expert_ids, (num_tokens, top_k), torch.int32)
-        self.expert_weights = region.view(layout.expert_weights, (num_tokens, top_k), torch.float32)
-        self.output = region.view(layout.output, (num_tokens, hidden_size), dtype)
-        self.wire_dtype = codec.proto_dtype(dtype)
-        self.input_bytes = num_tokens * (hidden_size * dtype.itemsize + top_k * 8)
-
-
-class _Slot:
-    """One hop's shared-memory region, grown to the largest hop, with its tensor views cached."""
-
-    def __init__(self, initial_bytes: int):
-        self.region = ShmRegion.create(max(initial_bytes, 4096))
-        self.unannounced = True   # the service has not been told this region's name yet
-        self._views: dict[tuple, _SlotViews] = {}
-
-    def views(self, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> _SlotViews:
-        key = (num_tokens, top_k, hidden_size, dtype)
-        views = self._views.get(key)
-        if views is None:
-            num_bytes = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype).num_bytes
-            if num_bytes > self.region.num_bytes:
-                grown = ShmRegion.create(max(num_bytes, 2 * self.region.num_bytes))
-                self.region.close()
-                self.region, self.unannounced = grown, True
-                self._views.clear()
-            if len(self._views) >= 64:  # a few shapes recur (decode sizes); prefill lengths vary
-                self._views.clear()
-            views = self._views[key] = _SlotViews(self.region, num_tokens, top_k, hidden_size, dtype)
-        return views
-
-    def close(self) -> None:
-        self._views.clear()
-        self.region.close()
-
-
-@dataclass(slots=True)
-class ShmTicket:
-    seq: int
-    slot: int
-    output: torch.Tensor
-    start_ns: int        # CLOCK_MONOTONIC, the same clock as the service's (one host): submit began,
-    sent_ns: int         # the header went out,
-    submitted_ns: int = 0  # and submit returned
-    reply: Reply | None = None
-
-
-class ShmLink:
-    """Shared-memory slots plus a Unix-socket doorbell to one co-located expert service."""
-
-    name = "shm"
-
-    def __init__(self, address: str, token: str, initial_bytes: int, connect_timeout_s: float, timeout_s: float,
-                 on_end: Callable[["ShmLink", str], None]):
-        self._on_end = on_end
-        self._closed = False
-        self._sock = doorbell.new_socket()
-        self._slots: list[_Slot] = []
-        try:
-            self._sock.settimeout(connect_timeout_s)
-            self._sock.connect(doorbell.socket_address(address))
-            self._handshake(token)
-            # From here on a blocking socket whose receive times out in the kernel (SO_RCVTIMEO):
-            # one system call per receive, where a Python-side timeout costs a poll() too.
-            self._sock.settimeout(None)
-            limit = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-            self._slots = [_Slot(initial_bytes) for _ in range(doorbell.NUM_SLOTS)]
-        except BaseException:
-            self.close()
-            raise
-        self._free = list(range(doorbell.NUM_SLOTS - 1, -1, -1))  # slot 0 first
-        self._pending: collections.deque[ShmTicket] = collections.deque()
-        self._seq = 0
-        self._previous_end_ns = 0
-        self._send = bytearray(doorbell.MAX_MESSAGE_BYTES)
-        self._send_view = memoryview(self._send)
-        self._received = bytearray(doorbell.MAX_MESSAGE_BYTES)
-        threading.Thread(target=self._watch, name="expert-doorbell-watch", daemon=True).start()
-
-    def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> tuple[ShmTicket, int]:
-        """(the hop's ticket, tensor bytes written); the tensors go straight into a free slot."""
-        start_ns = time.monotonic_ns()
-        if not self._free:
-            raise RuntimeError(f"more than {doorbell.NUM_SLOTS} hops in flight on one connection")
-        index = self._free.pop()
-        try:
-            slot = self._slots[index]
-            num_tokens, top_k = expert_ids.shape
-            hidden_size = hidden.shape[1]
-            views = slot.views(num_tokens, top_k, hidden_size, hidden.dtype)
-            if rows is None:
-                views.hidden.copy_(hidden)
-                views.expert_weights.copy_(expert_weights)
-            else:
-                torch.index_select(hidden, 0, rows, out=views.hidden)
-                torch.index_select(expert_weights, 0, rows, out=views.expert_weights)
-            views.expert_ids.copy_(expert_ids)
-            self._seq += 1
-            region = slot.region
-            announced = doorbell.announcement(region.name, region.num_bytes) if slot.unannounced else b""
-            traceparent = _traceparent()
-            doorbell.REQUEST.pack_into(self._send, 0, doorbell.KIND_FORWARD, views.wire_dtype, index, layer,
-                                       num_tokens, top_k, hidden_size, self._seq, len(announced), len(traceparent))
-            length = doorbell.REQUEST.size
-            if announced or traceparent:
-                tail = announced + traceparent
-                self._send[length:length + len(tail)] = tail
-                length += len(tail)
-            sent_ns = time.monotonic_ns()
-            self._sock.send(self._send_view[:length])
-        except BaseException:
-            self._free.append(index)
-            raise
-        slot.unannounced = False
-        ticket = ShmTicket(self._seq, index, views.output, start_ns, sent_ns)
-        self._pending.append(ticket)
-        ticket.submitted_ns = time.monotonic_ns()
-        return ticket, views.input_bytes
-
-    def wait(self, ticket: ShmTicket, deadline_s: float, timeout_s: float) -> Reply:
-        """deadline_s: perf_counter seconds. The reply's output is the slot's output area."""
-        while ticket.reply is None:  # HopFailed: the client closes this link, slots and all
-            self._receive(deadline_s, timeout_s)
-        self._free.append(ticket.slot)
-        return ticket.reply
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a receive in another thread, and the watcher
-        except OSError:
-            pass
-        self._sock.close()
-        for slot in self._slots:
-            slot.close()
-
-    # ---- internals ------------------------------------------------------------------------------
-
-    def _handshake(self, token: str) -> None:
-        """The version, then the answer to the service's challenge: proof of the cluster secret."""
-        self._sock.send(doorbell.HELLO.pack(doorbell.KIND_HELLO, doorbell.VERSION, doorbell.MAGIC))
-        challenge = self._handshake_reply(doorbell.KIND_HELLO)
-        if len(challenge) != doorbell.NONCE_BYTES:
-            raise HopFailed("the doorbell sent no challenge")
-        self._sock.send(doorbell.PROOF.pack(doorbell.KIND_PROOF, doorbell.proof(token, challenge)))
-        self._handshake_reply(doorbell.KIND_PROOF)
-
-    def _handshake_reply(self, kind: int) -> bytes:
-        """What follows the header of the service's answer to a `kind` message; HopFailed if refused."""
-        answer = self._sock.recv(doorbell.MAX_MESSAGE_BYTES)
-        if len(answer) < doorbell.REPLY.size:
-            raise HopFailed("the doorbell closed during the handshake")
-        answered, status, *_ = doorbell.REPLY.unpack_from(answer)
-        if answered != kind or status != doorbell.STATUS_OK:
-            raise HopFailed(f"doorbell handshake refused: {answer[doorbell.REPLY.size:].decode(errors='replace')}")
-        return answer[doorbell.REPLY.size:]
-
-    def _receive(self, deadline_s: float, timeout_s: float) -> None:
-        """Read one reply and attach it to its ticket (replies come in request order).
-
-        The kernel's receive timeout is expert_timeout_s from the receive's start: a hop waited
-        for late (the second micro-batch's) may get up to that delay more than its deadline.
-        """
-        # Past the deadline (another service's hop used it up) an answer already here still counts.
-        flags = socket.MSG_DONTWAIT if time.perf_counter() >= deadline_s else 0
-        wait_ns = time.monotonic_ns()
-        try:
-            length = self._sock.recv_into(self._received, 0, flags)
-        except (BlockingIOError, socket.timeout):
-            raise HopFailed(f"no answer within expert_timeout_s={timeout_s:g}") from None
-        except OSError as e:
-            raise HopFailed(f"doorbell: {e.strerror or e}") from None
-        observed_ns = time.monotonic_ns()
-        if length < doorbell.REPLY.size:
-            raise HopFailed("the service closed the connection" if length == 0 else "a truncated doorbell reply")
-        kind, status, seq, start_ns, end_ns, compute_ns = doorbell.REPLY.unpack_from(self._received)
-        if not self._pending or seq != self._pending[0].seq or kind != doorbell.KIND_FORWARD:
-            raise HopFailed(f"the service answered request {seq}, not the oldest one sent")
-        ticket = self._pending.popleft()
-        # Overhead: the round trip less the expert compute, less the time the request queued
-        # behind the previous hop (the other micro-batch's), less the time its answer waited
-        # for a client busy elsewhere (attention of the other micro-batch).
-        queued_ns = max(self._previous_end_ns - ticket.sent_ns, 0)
-        unread_ns = max(wait_ns - max(end_ns, ticket.submitted_ns), 0)
-        overhead_ns = max(observed_ns - ticket.start_ns - compute_ns - queued_ns - unread_ns, 0)
-        self._previous_end_ns = end_ns
-        error = "" if status == doorbell.STATUS_OK else \
-            bytes(self._received[doorbell.REPLY.size:length]).decode(errors="replace") or "unknown error"
-        ticket.reply = Reply(None if error else ticket.output, error, compute_ns * 1e-9, overhead_ns * 1e-9)
-
-    def _watch(self) -> None:
-        """Report the service's end at once, even while no hop is in flight (no data is read here)."""
-        poller = select.poll()
-        try:
-            poller.register(self._sock.fileno(), select.POLLRDHUP)
-            poller.poll()  # only a hang-up or an error wakes it: replies are POLLIN
-        except (OSError, ValueError):
-            return  # already closed
-        if not self._closed:
-            self._on_end(self, "the service closed the shared-memory doorbell")
+        ...
 
 
 _spans_exported = [float("-inf"), False]  # checked at most once a second: the check costs microseconds
@@ -378,7 +67,7 @@ def spans_exported() -> bool:
     return _spans_exported[1]
 
 
-def _traceparent() -> bytes:
+def traceparent() -> bytes:
     """The current span as a W3C traceparent; b"" outside any trace or when spans go nowhere."""
     if not spans_exported():
         return b""
@@ -386,7 +75,3 @@ def _traceparent() -> bytes:
     if not context.is_valid:
         return b""
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}".encode()
-
-
-Link = Union[GrpcLink, ShmLink]
-Ticket = Union[GrpcTicket, ShmTicket]

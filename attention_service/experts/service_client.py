@@ -22,7 +22,9 @@ import torch
 
 from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.attention_service.experts.backend import HopStats
-from splitmoe.attention_service.experts.links import GrpcLink, HopFailed, Link, Reply, ShmLink, Ticket
+from splitmoe.attention_service.experts.grpc_link import GrpcLink
+from splitmoe.attention_service.experts.links import HopFailed, Link, Reply, Ticket
+from splitmoe.attention_service.experts.shm_link import ShmLink
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
@@ -34,6 +36,10 @@ OVERHEAD_WINDOW = 1024  # hops the median overhead is taken over
 
 class ExpertRequestError(RuntimeError):
     """A service answered a request with an error: the request was bad, the service is fine."""
+
+    def __init__(self, address: str, layer: int, reason: str):
+        super().__init__(f"expert service {address} rejected layer {layer}: {reason}")
+        self.reason = reason  # the service's own words
 
 
 @dataclass(slots=True)
@@ -253,18 +259,20 @@ class ExpertServiceClient:
             self.mark_unhealthy(hop.link, str(e))
             raise
         hop_s = time.perf_counter() - hop.sent_s
-        if reply.error:
-            raise ExpertRequestError(f"expert service {self.address} rejected layer {hop.layer}: {reply.error}")
         out = reply.output
         self.counters.add(hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, out.nbytes)
         return out
 
     def _reply(self, hop: Hop) -> Reply:
-        """The hop's answer within the deadline (counted from its sending), else HopFailed."""
+        """The hop's answer within the deadline (counted from its sending), else HopFailed;
+        ExpertRequestError when the service answered with an error."""
         if hop.ticket is None:
             raise HopFailed(hop.error)
         timeout_s = self.settings.expert_timeout_s
-        return hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
+        reply = hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
+        if reply.error:
+            raise ExpertRequestError(self.address, hop.layer, reply.error)
+        return reply
 
     # ---- internals (called with self._lock held) ------------------------------------------------
 
@@ -329,13 +337,11 @@ class ExpertServiceClient:
         routing = torch.empty(0, 1, dtype=torch.int32)
         hop = self.submit(self.shard.layers[0] if self.shard.layers else 0, empty, None, routing, routing.float())
         try:
-            reply = self._reply(hop)
-            if reply.error:
-                raise HopFailed(reply.error)
+            self._reply(hop)
             return ""
-        except HopFailed as e:
+        except (HopFailed, ExpertRequestError) as e:
             self._close_link_locked()
-            return str(e)
+            return e.reason if isinstance(e, ExpertRequestError) else str(e)
 
     def _link_ended(self, link: Link, error: str) -> None:
         self.mark_unhealthy(link, error)

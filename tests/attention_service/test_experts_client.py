@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from splitmoe.attention_service.experts.backend import InProcessExperts
-from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings, resolve_addresses
+from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.experts.services import resolve_addresses
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.server import _add_expert_stats

@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.links import ShmLink
+from splitmoe.attention_service.experts.shm_link import ShmLink
 from splitmoe.expert_service.doorbell import DoorbellServer
+from splitmoe.expert_service.hops import HopHandler
 from splitmoe.expert_service.shard import HostedShard
 from splitmoe.kernels import native
 from splitmoe.kernels.cpu_features import gemm_dtype
@@ -32,7 +33,7 @@ HIDDEN = 64
 def served(demo_gguf):
     token = secrets.token_urlsafe(32)
     hosted = HostedShard(GGUFFile(demo_gguf), experts=range(4))
-    server = DoorbellServer(hosted, token)
+    server = DoorbellServer(HopHandler(hosted), token)
     server.start()
     link = ShmLink(server.address, token, 1 << 16, 5.0, 10.0, lambda *_: None)
     try:

@@ -1,0 +1,141 @@
+"""Layer calls on the expert services: each one's parts in flight, their retries, and their sum.
+
+The data path is one thread at a time (every connection's hops are answered in order): a call is
+sent and collected under `InFlightCalls`' lock. Up to `max_calls` calls may be in flight (the
+transformer's two micro-batches: attention of one runs while the experts of the other compute); a
+further one first collects the oldest.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable
+
+import torch
+
+from splitmoe.attention_service.experts.placement import ExpertsUnavailable
+from splitmoe.attention_service.experts.service_client import ExpertRequestError, Hop, HopFailed
+from splitmoe.attention_service.experts.services import ExpertServices
+from splitmoe.attention_service.experts.split import ServicePart, add_part, unfinished_work
+from splitmoe.kernels import native
+
+
+class InFlightCalls:
+    """The layer calls sent to the expert services and not yet collected, oldest first."""
+
+    def __init__(self, services: ExpertServices, max_calls: int):
+        self._services = services
+        self._max_calls = max_calls
+        self._lock = threading.Lock()
+        self._calls: collections.deque[LayerCall] = collections.deque()
+
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> "LayerCall":
+        with self._lock:
+            while len(self._calls) >= self._max_calls:
+                self._collect_locked(self._calls[0])  # a call past the limit: the oldest must finish first
+            call = LayerCall(self._services, self.collect, layer, hidden, expert_ids, expert_weights)
+            self._calls.append(call)
+            call.send_locked(expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu())
+        return call
+
+    def collect(self, call: "LayerCall") -> None:
+        with self._lock:
+            if call in self._calls:  # else collected already, to make room for a later call
+                self._collect_locked(call)
+
+    def _collect_locked(self, call: "LayerCall") -> None:
+        self._calls.remove(call)
+        call.collect_locked()
+
+
+class LayerCall:
+    """One submitted layer call: its parts in flight, then its result (or error).
+
+    `collect` (InFlightCalls') runs `collect_locked` under the data path's lock, unless done already.
+    """
+
+    def __init__(self, services: ExpertServices, collect: Callable[["LayerCall"], None], layer: int,
+                 hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
+        self._services, self._collect = services, collect
+        self._layer, self._device = layer, hidden.device
+        # (each torch call costs microseconds: only the conversions needed)
+        self._hidden = hidden.detach() if hidden.requires_grad else hidden
+        weights = expert_weights.detach() if expert_weights.requires_grad else expert_weights
+        self._weights = weights if weights.dtype == torch.float32 else weights.float()
+        self._shape = expert_ids.shape
+        self._parts: list[ServicePart] = []
+        self._hops: list[Hop] = []
+        self._rounds = 0
+        self._out: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self._collected = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._collected:
+            self._collect(self)
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+    def send_locked(self, work: torch.Tensor) -> None:
+        """Plan `work` (a routing table, -1: not wanted) by service and submit every part; an
+        error is kept for `collect_locked`, which first waits for whatever was sent."""
+        self._rounds += 1
+        self._parts, self._hops = [], []
+        try:
+            parts = self._services.plan(self._layer, work)
+            hidden = self._hidden
+            if hidden.device.type != "cpu" and any(p.rows is not None for p in parts):
+                hidden = self._hidden = hidden.cpu()  # rows are gathered on the CPU
+            weights = self._weights if self._weights.device.type == "cpu" else self._weights.cpu()
+            for part in parts:
+                self._hops.append(self._services.submit(part, self._layer, hidden, weights))
+                self._parts.append(part)
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self._error = e
+
+    def collect_locked(self) -> None:
+        """Wait for every part (retrying failed ones on replicas) and sum them; keeps the error.
+
+        Every hop is waited for before an error is kept: a service still working on an abandoned
+        request would otherwise share its shared-memory slot with the next one.
+        """
+        self._collected = True
+        native.park()  # the expert services compute now: this process's idle workers must not spin
+        out = None  # float32 [T, D], made by the first part that arrives
+        try:
+            while True:
+                failed, rejected = [], []
+                for part, hop in zip(self._parts, self._hops):
+                    try:
+                        out = self._accumulate(out, part.rows, self._services.wait(part, hop))
+                    except HopFailed:
+                        failed.append(part)
+                    except ExpertRequestError as e:
+                        rejected.append(e)
+                self._parts, self._hops = [], []
+                if self._error is not None:
+                    raise self._error
+                if rejected:
+                    raise rejected[0]
+                if not failed:
+                    if out is None:  # nothing was routed anywhere
+                        out = torch.zeros(self._hidden.shape, dtype=torch.float32)
+                    self._out = out if self._device.type == "cpu" else out.to(self._device)
+                    return
+                if self._rounds > self._services.num_services:  # each failed round marks a service unhealthy
+                    raise ExpertsUnavailable(f"layer {self._layer}: expert services kept failing: "
+                                             f"{self._services.describe_failures()}")
+                self.send_locked(unfinished_work(self._shape, failed))
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self._error = e
+
+    def _accumulate(self, out: torch.Tensor | None, rows: torch.Tensor | None, part_out: torch.Tensor) -> torch.Tensor:
+        """out[rows] += part_out; the first part of every row is copied out of the hop's buffer."""
+        if out is None:
+            if rows is None:
+                return part_out.to(torch.float32, copy=True)
+            out = torch.zeros(self._hidden.shape, dtype=torch.float32)
+        add_part(out, rows, part_out)
+        return out

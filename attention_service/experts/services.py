@@ -1,0 +1,244 @@
+"""The expert services the remote backend uses: their clients, the placement over them, and failover.
+
+Startup asks every service for its shard, assigns the empty ones a part of what no one hosts,
+checks that every remote (layer, expert) is hosted, and opens each service's link. Then each
+layer's routed slots are planned by service (experts/split.py) under the current health: a dead
+service's experts go to a replica, one marked unhealthy is tried again once its reconnect interval
+has passed, and a background thread revives the unhealthy services and checks the healthy ones'
+shards.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+import torch
+
+from splitmoe.attention_service.experts.backend import HopStats, ServiceHealth
+from splitmoe.attention_service.experts.placement import (ExpertsUnavailable, Placement, ServiceShard,
+                                                          assign_empty_services, format_keys)
+from splitmoe.attention_service.experts.service_client import (ConnectionSettings, ExpertServiceClient, Hop,
+                                                               HopFailed)
+from splitmoe.attention_service.experts.split import OwnerTable, ServicePart, split_by_service
+from splitmoe.modelfile.experts import ExpertKey, expert_count
+from splitmoe.modelfile.gguf_file import GGUFFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteExpertsSettings(ConnectionSettings):
+    """Every expert service's connection settings, and how the backend uses the services."""
+
+    addresses: tuple[str, ...]                 # host:port of every expert service (replicas included)
+    reconnect_interval_s: float = 1.0          # how often unhealthy services are retried, healthy ones' shards checked
+    startup_wait_s: float = 60.0               # how long startup waits for services to come up
+    local_layers: int = 0                      # the first N MoE layers' experts run in-process (--n-cpu-moe)
+
+    def __post_init__(self) -> None:
+        super(RemoteExpertsSettings, self).__post_init__()
+        if not self.addresses:
+            raise ValueError("remote experts need at least one expert service address")
+        if self.reconnect_interval_s <= 0:
+            raise ValueError("the reconnect interval must be positive")
+        if self.local_layers < 0:
+            raise ValueError(f"local_layers {self.local_layers}: must be >= 0")
+        if len(set(self.addresses)) != len(self.addresses):
+            raise ValueError(f"expert service addresses repeat: {', '.join(self.addresses)}")
+
+
+class ExpertServices:
+    """Every expert service's client and the placement over them, connected at construction.
+
+    The data path (`plan`, `submit`, `wait`) is for one thread at a time, as each client's is.
+    """
+
+    def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, layers: Sequence[int]):
+        self.settings = settings
+        self._clients = [ExpertServiceClient(address, settings, server_name=host)
+                         for address, host in resolve_addresses(settings.addresses)]
+        self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
+        self._stop = threading.Event()
+        try:
+            self.placement = _connect(g, self._clients, list(layers), settings)
+        except BaseException:
+            self.close()
+            raise
+        self._reconnector = threading.Thread(target=self._reconnect_loop, name="expert-reconnect", daemon=True)
+        self._reconnector.start()
+
+    @property
+    def num_services(self) -> int:
+        return len(self._clients)
+
+    # ---- the data path --------------------------------------------------------------------------
+
+    def plan(self, layer: int, work: torch.Tensor) -> list[ServicePart]:
+        """`work` (a layer's routing table, -1: not wanted) split by the healthy service computing
+        each slot; ExpertsUnavailable when some wanted expert has none."""
+        parts, orphans = split_by_service(work, self._owners(layer))
+        if orphans.numel() and self._revive_for(layer, orphans):
+            parts, orphans = split_by_service(work, self._owners(layer))
+        if orphans.numel():
+            raise self._unavailable(layer, orphans)
+        return parts
+
+    def submit(self, part: ServicePart, layer: int, hidden: torch.Tensor, expert_weights: torch.Tensor) -> Hop:
+        """Send `part` of the layer (rows of hidden and expert_weights) to its service, without waiting."""
+        return self._clients[part.service].submit(layer, hidden, part.rows, part.expert_ids, expert_weights)
+
+    def wait(self, part: ServicePart, hop: Hop) -> torch.Tensor:
+        """The part's output (see ExpertServiceClient.wait: HopFailed, ExpertRequestError)."""
+        return self._clients[part.service].wait(hop)
+
+    def describe_failures(self) -> str:
+        return "; ".join(f"{c.address} ({c.last_error})" for c in self._clients if not c.healthy)
+
+    # ---- what the attention service publishes ----------------------------------------------------
+
+    def health(self) -> dict[str, ServiceHealth]:
+        return {c.address: ServiceHealth(c.healthy, c.shard, c.transport, c.last_error) for c in self._clients}
+
+    def stats(self) -> dict[str, HopStats]:
+        # Unlocked: a hop may hold the data path for up to expert_timeout_s; a torn read of the
+        # counters is off by one hop at most.
+        return {c.address: c.counters.snapshot(c.transport) for c in self._clients}
+
+    def expert_token_counts(self) -> dict[ExpertKey, int]:
+        """Tokens each (layer, expert) computed, summed over the healthy services (GetStats)."""
+        totals: dict[ExpertKey, int] = {}
+        for client in self._clients:
+            if not client.healthy:
+                continue
+            try:
+                counts = client.token_counts()
+            except grpc.RpcError as e:
+                log.warning("expert service %s: GetStats failed: %s", client.address, e.code().name)
+                continue
+            for key, num_tokens in counts.items():
+                totals[key] = totals.get(key, 0) + num_tokens
+        return totals
+
+    def close(self) -> None:
+        self._stop.set()
+        for client in self._clients:
+            client.close()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _owners(self, layer: int) -> OwnerTable:
+        healthy = tuple(c.healthy for c in self._clients)
+        table = self._owner_tables.get((layer, healthy))
+        if table is None:  # once per layer and health state: a handful per run
+            owners = self.placement.owners(layer, healthy)
+            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(owners, len(self._clients))
+        return table
+
+    def _revive_for(self, layer: int, orphans: torch.Tensor) -> bool:
+        """Try once, now, the unhealthy replicas of experts nobody can compute (rate-limited)."""
+        keys = [ExpertKey(layer, e) for e in orphans.tolist()]  # error path only
+        now = time.monotonic()
+        revived = False
+        for i in self.placement.services_of(keys):
+            client = self._clients[i]
+            if not client.healthy and now - client.last_attempt_s >= self.settings.reconnect_interval_s:
+                revived |= client.revive()
+        return revived
+
+    def _unavailable(self, layer: int, orphans: torch.Tensor) -> ExpertsUnavailable:
+        keys = [ExpertKey(layer, e) for e in orphans.tolist()]
+        services = [self._clients[i] for i in self.placement.services_of(keys)]
+        down = "; ".join(f"{c.address} ({c.last_error})" for c in services)
+        return ExpertsUnavailable(f"layer {layer}: no healthy expert service for {format_keys(keys)}: {down}")
+
+    def _reconnect_loop(self) -> None:
+        """Every reconnect_interval_s: revive the unhealthy services, and check that the healthy
+        ones still host their part of the placement (health, and so /health, reports coverage)."""
+        while not self._stop.wait(self.settings.reconnect_interval_s):
+            for client in self._clients:
+                if self._stop.is_set():
+                    return
+                if client.healthy:
+                    client.check_shard()
+                else:
+                    client.revive()
+
+
+# ---- startup --------------------------------------------------------------------------------
+
+def resolve_addresses(addresses: Sequence[str]) -> list[tuple[str, str]]:
+    """(address to dial, host name as given) per service. A name resolving to several IPs stands
+    for all of them: that is how `docker compose --scale expert=N` presents N replicas behind the
+    one name `expert`; their TLS certificates name `expert`, not an IP."""
+    resolved: dict[str, str] = {}
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        ips = _resolve(host, port)
+        for each in ([address] if len(ips) <= 1 else [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]):
+            resolved.setdefault(each, host)
+    return list(resolved.items())
+
+
+def _resolve(host: str, port: str) -> list[str]:
+    """IPv4 addresses of `host` (else IPv6), in resolver order; [] when it does not resolve (yet)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            continue
+        return list(dict.fromkeys(info[4][0] for info in infos))
+    return []
+
+
+def _connect(g: GGUFFile, clients: list[ExpertServiceClient], layers: list[int],
+             settings: RemoteExpertsSettings) -> Placement:
+    """Ask every service for its shard, fill the empty ones, check coverage, open the streams."""
+    shards = _describe_all(g, clients, settings.startup_wait_s)
+    for i, (shard_layers, shard_experts) in assign_empty_services(shards, layers, expert_count(g)).items():
+        try:
+            shards[i] = clients[i].load_shard(shard_layers, shard_experts)
+        except grpc.RpcError as e:
+            raise ExpertsUnavailable(f"expert service {clients[i].address}: LoadShard failed: "
+                                     f"{e.code().name}: {e.details()}") from None
+        log.info("assigned %s", shards[i].label())
+    placement = Placement.build(shards, layers, expert_count(g))
+    for client, shard in zip(clients, shards):
+        if not shard.is_empty:  # empty only when every layer runs locally
+            try:
+                client.open_stream(shard)
+            except HopFailed as e:
+                raise ExpertsUnavailable(f"expert service {client.address}: cannot open its stream: {e}") from None
+            log.info("expert service %s over %s", shard.label(), client.transport)
+    return placement
+
+
+def _describe_all(g: GGUFFile, clients: list[ExpertServiceClient], wait_s: float) -> list[ServiceShard]:
+    """Every service's reported shard, waiting up to `wait_s` in all for services still starting."""
+    deadline_s = time.monotonic() + wait_s
+    shards = []
+    for client in clients:
+        try:
+            shard = client.describe(max(deadline_s - time.monotonic(), 0.001), wait_for_ready=True)
+        except grpc.RpcError as e:
+            why = (f"did not answer within {wait_s:g} s"
+                   if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE) else "refused us")
+            raise ExpertsUnavailable(f"expert service {client.address} {why}: {e.code().name}: {e.details()}") from None
+        _check_same_model(g, client)
+        shards.append(shard)
+    return shards
+
+
+def _check_same_model(g: GGUFFile, client: ExpertServiceClient) -> None:
+    info = client.info
+    if info.file_id != g.file_id:
+        raise ExpertsUnavailable(f"expert service {client.address} serves {info.file_id!r}, "
+                                 f"not this model {g.file_id!r}")
+    hidden_size = int(g.arch_require("embedding_length"))
+    if info.hidden_size != hidden_size:
+        raise ExpertsUnavailable(f"expert service {client.address}: hidden size {info.hidden_size}, ours {hidden_size}")

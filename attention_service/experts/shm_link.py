@@ -1,0 +1,207 @@
+"""The shared-memory link (links.py): slots of shared memory plus a Unix-socket doorbell (proto/doorbell.py)."""
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from splitmoe.attention_service.experts.links import HopFailed, Reply, traceparent
+from splitmoe.proto import doorbell
+from splitmoe.proto.shm import ShmRegion
+
+
+class _Slot:
+    """One hop's shared-memory region, created here, grown to the largest hop."""
+
+    def __init__(self, initial_bytes: int):
+        self.mapped = doorbell.Slot(ShmRegion.create(max(initial_bytes, 4096)))
+        self.unannounced = True   # the service has not been told this region's name yet
+
+    def views(self, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> doorbell.SlotViews:
+        try:
+            return self.mapped.views(num_tokens, top_k, hidden_size, dtype)
+        except doorbell.SlotTooSmall:
+            num_bytes = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype).num_bytes
+            grown = ShmRegion.create(max(num_bytes, 2 * self.mapped.region.num_bytes))
+            self.mapped.close()
+            self.mapped, self.unannounced = doorbell.Slot(grown), True
+            return self.mapped.views(num_tokens, top_k, hidden_size, dtype)
+
+    def close(self) -> None:
+        self.mapped.close()
+
+
+@dataclass(slots=True)
+class ShmTicket:
+    seq: int
+    slot: int
+    output: torch.Tensor
+    start_ns: int        # CLOCK_MONOTONIC, the same clock as the service's (one host): submit began,
+    sent_ns: int         # the header went out,
+    submitted_ns: int = 0  # and submit returned
+    reply: Reply | None = None
+
+
+class ShmLink:
+    """Shared-memory slots plus a Unix-socket doorbell to one co-located expert service."""
+
+    name = "shm"
+
+    def __init__(self, address: str, token: str, initial_bytes: int, connect_timeout_s: float, timeout_s: float,
+                 on_end: Callable[["ShmLink", str], None]):
+        self._on_end = on_end
+        self._closed = False
+        self._sock = doorbell.new_socket()
+        self._slots: list[_Slot] = []
+        try:
+            self._sock.settimeout(connect_timeout_s)
+            self._sock.connect(doorbell.socket_address(address))
+            self._handshake(token)
+            # From here on a blocking socket whose receive times out in the kernel (SO_RCVTIMEO):
+            # one system call per receive, where a Python-side timeout costs a poll() too.
+            self._sock.settimeout(None)
+            limit = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            self._slots = [_Slot(initial_bytes) for _ in range(doorbell.NUM_SLOTS)]
+        except BaseException:
+            self.close()
+            raise
+        self._free = list(range(doorbell.NUM_SLOTS - 1, -1, -1))  # slot 0 first
+        self._pending: collections.deque[ShmTicket] = collections.deque()
+        self._seq = 0
+        self._previous_end_ns = 0
+        self._send = bytearray(doorbell.MAX_MESSAGE_BYTES)
+        self._send_view = memoryview(self._send)
+        self._received = bytearray(doorbell.MAX_MESSAGE_BYTES)
+        threading.Thread(target=self._watch, name="expert-doorbell-watch", daemon=True).start()
+
+    def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> tuple[ShmTicket, int]:
+        """(the hop's ticket, tensor bytes written); the tensors go straight into a free slot."""
+        start_ns = time.monotonic_ns()
+        if not self._free:
+            raise RuntimeError(f"more than {doorbell.NUM_SLOTS} hops in flight on one connection")
+        index = self._free.pop()
+        try:
+            slot = self._slots[index]
+            num_tokens, top_k = expert_ids.shape
+            hidden_size = hidden.shape[1]
+            views = slot.views(num_tokens, top_k, hidden_size, hidden.dtype)
+            if rows is None:
+                views.hidden.copy_(hidden)
+                views.expert_weights.copy_(expert_weights)
+            else:
+                torch.index_select(hidden, 0, rows, out=views.hidden)
+                torch.index_select(expert_weights, 0, rows, out=views.expert_weights)
+            views.expert_ids.copy_(expert_ids)
+            self._seq += 1
+            region = slot.mapped.region
+            announced = doorbell.announcement(region.name, region.num_bytes) if slot.unannounced else b""
+            trace_context = traceparent()
+            doorbell.REQUEST.pack_into(self._send, 0, doorbell.KIND_FORWARD, views.wire_dtype, index, layer,
+                                       num_tokens, top_k, hidden_size, self._seq, len(announced), len(trace_context))
+            length = doorbell.REQUEST.size
+            if announced or trace_context:
+                tail = announced + trace_context
+                self._send[length:length + len(tail)] = tail
+                length += len(tail)
+            sent_ns = time.monotonic_ns()
+            self._sock.send(self._send_view[:length])
+        except BaseException:
+            self._free.append(index)
+            raise
+        slot.unannounced = False
+        ticket = ShmTicket(self._seq, index, views.output, start_ns, sent_ns)
+        self._pending.append(ticket)
+        ticket.submitted_ns = time.monotonic_ns()
+        return ticket, views.input_bytes
+
+    def wait(self, ticket: ShmTicket, deadline_s: float, timeout_s: float) -> Reply:
+        """deadline_s: perf_counter seconds. The reply's output is the slot's output area."""
+        while ticket.reply is None:  # HopFailed: the client closes this link, slots and all
+            self._receive(deadline_s, timeout_s)
+        self._free.append(ticket.slot)
+        return ticket.reply
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a receive in another thread, and the watcher
+        except OSError:
+            pass
+        self._sock.close()
+        for slot in self._slots:
+            slot.close()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _handshake(self, token: str) -> None:
+        """The version, then the answer to the service's challenge: proof of the cluster secret."""
+        self._sock.send(doorbell.HELLO.pack(doorbell.KIND_HELLO, doorbell.VERSION, doorbell.MAGIC))
+        challenge = self._handshake_reply(doorbell.KIND_HELLO)
+        if len(challenge) != doorbell.NONCE_BYTES:
+            raise HopFailed("the doorbell sent no challenge")
+        self._sock.send(doorbell.PROOF.pack(doorbell.KIND_PROOF, doorbell.proof(token, challenge)))
+        self._handshake_reply(doorbell.KIND_PROOF)
+
+    def _handshake_reply(self, kind: int) -> bytes:
+        """What follows the header of the service's answer to a `kind` message; HopFailed if refused."""
+        answer = self._sock.recv(doorbell.MAX_MESSAGE_BYTES)
+        if len(answer) < doorbell.REPLY.size:
+            raise HopFailed("the doorbell closed during the handshake")
+        answered, status, *_ = doorbell.REPLY.unpack_from(answer)
+        if answered != kind or status != doorbell.STATUS_OK:
+            raise HopFailed(f"doorbell handshake refused: {answer[doorbell.REPLY.size:].decode(errors='replace')}")
+        return answer[doorbell.REPLY.size:]
+
+    def _receive(self, deadline_s: float, timeout_s: float) -> None:
+        """Read one reply and attach it to its ticket (replies come in request order).
+
+        The kernel's receive timeout is expert_timeout_s from the receive's start: a hop waited
+        for late (the second micro-batch's) may get up to that delay more than its deadline.
+        """
+        # Past the deadline (another service's hop used it up) an answer already here still counts.
+        flags = socket.MSG_DONTWAIT if time.perf_counter() >= deadline_s else 0
+        wait_ns = time.monotonic_ns()
+        try:
+            length = self._sock.recv_into(self._received, 0, flags)
+        except (BlockingIOError, socket.timeout):
+            raise HopFailed(f"no answer within expert_timeout_s={timeout_s:g}") from None
+        except OSError as e:
+            raise HopFailed(f"doorbell: {e.strerror or e}") from None
+        observed_ns = time.monotonic_ns()
+        if length < doorbell.REPLY.size:
+            raise HopFailed("the service closed the connection" if length == 0 else "a truncated doorbell reply")
+        kind, status, seq, start_ns, end_ns, compute_ns = doorbell.REPLY.unpack_from(self._received)
+        if not self._pending or seq != self._pending[0].seq or kind != doorbell.KIND_FORWARD:
+            raise HopFailed(f"the service answered request {seq}, not the oldest one sent")
+        ticket = self._pending.popleft()
+        # Overhead: the round trip less the expert compute, less the time the request queued
+        # behind the previous hop (the other micro-batch's), less the time its answer waited
+        # for a client busy elsewhere (attention of the other micro-batch).
+        queued_ns = max(self._previous_end_ns - ticket.sent_ns, 0)
+        unread_ns = max(wait_ns - max(end_ns, ticket.submitted_ns), 0)
+        overhead_ns = max(observed_ns - ticket.start_ns - compute_ns - queued_ns - unread_ns, 0)
+        self._previous_end_ns = end_ns
+        error = "" if status == doorbell.STATUS_OK else \
+            bytes(self._received[doorbell.REPLY.size:length]).decode(errors="replace") or "unknown error"
+        ticket.reply = Reply(None if error else ticket.output, error, compute_ns * 1e-9, overhead_ns * 1e-9)
+
+    def _watch(self) -> None:
+        """Report the service's end at once, even while no hop is in flight (no data is read here)."""
+        poller = select.poll()
+        try:
+            poller.register(self._sock.fileno(), select.POLLRDHUP)
+            poller.poll()  # only a hang-up or an error wakes it: replies are POLLIN
+        except (OSError, ValueError):
+            return  # already closed
+        if not self._closed:
+            self._on_end(self, "the service closed the shared-memory doorbell")
