@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
@@ -197,12 +196,13 @@ class SamplingRequest(OpenAIBaseModel):
         return [s for s in stops if s]
 
     def sampling_params(self, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
-        """`top_logprobs` None: no logprobs; 0: the sampled token's only."""
+        """The request's sampling under the wire's names, each one sent (OpenAI's default where the request
+        has none), but the seed, which `seeded` adds. `top_logprobs` None: no logprobs; 0: the sampled token's only."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         if top_p == 0.0:  # the attention service reads top_p 0 as 1.0; a nucleus of 0 keeps only the top token
             temperature, top_p = 0.0, 1.0
-        return SamplingParams(
+        return dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(self.top_k or 0, 0),
             min_p=self.min_p or 0.0, stop=tuple(self.stop_strings()),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
@@ -214,7 +214,7 @@ class SamplingRequest(OpenAIBaseModel):
         """Choice i of n samples with seed + i, so `n` choices differ yet replay exactly."""
         if self.seed is None:
             return params
-        return replace(params, seed=(self.seed + choice + INT64_MAX + 1) % 2**64 - INT64_MAX - 1)  # wraps in int64
+        return {**params, "seed": (self.seed + choice + INT64_MAX + 1) % 2**64 - INT64_MAX - 1}  # wraps in int64
 
 
 def fan_out(request_id: str, n: int) -> list[str]:
