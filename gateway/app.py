@@ -1,4 +1,4 @@
-"""The HTTP app: routes, middleware and exception handlers around the handlers in serving.py.
+"""The HTTP app: routes, middleware and exception handlers around the handlers in handlers/.
 
 A route parses its body, calls its handler, and maps the outcome: an `ErrorResponse` becomes JSON
 with its status, a response model JSON, an async iterator SSE. The attention client lives as
@@ -27,11 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitmoe.gateway.admission import Admission
 from splitmoe.gateway.attention_client import AttentionClient, AttentionError
+from splitmoe.gateway.handlers.base import GenerationHandler
+from splitmoe.gateway.handlers.chat import ChatHandler
+from splitmoe.gateway.handlers.completions import CompletionHandler
+from splitmoe.gateway.handlers.models import ServedModel
+from splitmoe.gateway.handlers.ops import OpsHandler
 from splitmoe.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from splitmoe.gateway.openai_types import (
-    ChatCompletionRequest, CompletionRequest, ErrorResponse, error_response, validation_error,
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, SamplingRequest, error_response, validation_error,
 )
-from splitmoe.gateway.serving import ChatHandler, CompletionHandler, OpsHandler, ServedModel
 from splitmoe.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -49,22 +53,12 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw: Request) -> Response:
-    request_id = RequestId.current().rename("chatcmpl")
-    request = await parse_body(raw, ChatCompletionRequest)
-    if isinstance(request, ErrorResponse):
-        return to_response(request)
-    handler: ChatHandler = raw.app.state.chat
-    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
+    return await generate(raw, "chatcmpl", ChatCompletionRequest, raw.app.state.chat)
 
 
 @router.post("/v1/completions")
 async def create_completion(raw: Request) -> Response:
-    request_id = RequestId.current().rename("cmpl")
-    request = await parse_body(raw, CompletionRequest)
-    if isinstance(request, ErrorResponse):
-        return to_response(request)
-    handler: CompletionHandler = raw.app.state.completions
-    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
+    return await generate(raw, "cmpl", CompletionRequest, raw.app.state.completions)
 
 
 @router.get("/v1/models")
@@ -118,6 +112,16 @@ class RequestId:
 
 
 _REQUEST_ID: ContextVar[RequestId] = ContextVar("request_id")
+
+
+async def generate(raw: Request, id_prefix: str, body: type[SamplingRequest], handler: GenerationHandler) -> Response:
+    """A generation route: the request's id renamed to its response's (`chatcmpl-<hex>`), its body parsed and
+    handed to its handler, which a hang-up cancels."""
+    request_id = RequestId.current().rename(id_prefix)
+    request = await parse_body(raw, body)
+    if isinstance(request, ErrorResponse):
+        return to_response(request)
+    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
 
 
 async def parse_body(raw: Request, model: type[M]) -> M | ErrorResponse:

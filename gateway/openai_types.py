@@ -3,14 +3,14 @@
 Requests validate strictly (a string where a number belongs is a 400, as at OpenAI), bound every
 integer to what its protobuf field holds, refuse the parameters they do not implement, accept and
 log other unknown fields, and convert themselves to the attention service's `GenerateParams` (and
-`ScoreParams`) in one method. Responses are plain models; the handlers in serving.py fill them.
+`ScoreParams`) in one method. Responses are plain models; the handlers (handlers/) fill them.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
@@ -371,6 +371,20 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+Choice = TypeVar("Choice", bound=BaseModel)
+
+
+class ChoicesBody(BaseModel, Generic[Choice]):
+    """The fields, in OpenAI's order, of every generation response and stream chunk. A body names its
+    `object` and may narrow more; a narrowed field keeps its place here, so the JSON's order stays OpenAI's."""
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: UsageInfo | None = None
+
+
 class ChatCompletionLogProb(BaseModel):
     token: str
     logprob: float
@@ -400,12 +414,8 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ChoicesBody[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
 
@@ -427,13 +437,9 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ChoicesBody[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -451,14 +457,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(ChoicesBody[CompletionChoice]):
     """Both the full response and a stream chunk (OpenAI uses one shape for both)."""
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

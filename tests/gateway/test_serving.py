@@ -12,10 +12,10 @@ from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, Toke
 from splitmoe.gateway.openai_types import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionStreamChoice, DeltaMessage, UsageInfo,
 )
-from splitmoe.gateway.serving import (
-    SSE_DONE, ChatHandler, ChoiceState, OpenStream, completion_logprobs, chat_logprobs, merge, open_streams,
-    sse_line, sse_stream, total_usage,
-)
+from splitmoe.gateway.handlers.chat import ChatHandler
+from splitmoe.gateway.logprobs import chat_logprobs, completion_logprobs
+from splitmoe.gateway.sse import SSE_DONE, sse_line, sse_stream
+from splitmoe.gateway.streams import ChoiceState, OpenStream, merge, open_streams, total_usage
 
 
 def token(text, logprob=-1.0, top=()):
