@@ -22,7 +22,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from splitmoe.attention_service.engine.request import RequestOutput
-from splitmoe.attention_service.engine.sampling import SamplingOptions
+from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.model.runner import dtype_name
@@ -38,24 +38,23 @@ _ERROR_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.Sta
 PROMPT_THREADS = 4
 
 
+# Options whose zero on the wire stands for "not sent" (proto3 cannot tell the two apart), so they take
+# SamplingOptions' default; every other zero is meant (temperature 0: greedy).
+ZERO_IS_UNSET = frozenset({"top_p", "repetition_penalty"})
+
+
 def sampling_options(p: pb.SamplingParams, context_left: int) -> SamplingOptions:
-    """`context_left`: the tokens the context has after the prompt, what max_tokens 0 asks for."""
-    return SamplingOptions(
-        max_tokens=p.max_tokens if p.max_tokens > 0 else context_left,
-        temperature=p.temperature,
-        top_p=p.top_p or 1.0,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        stop=tuple(p.stop),
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty or 1.0,
-        logprobs=p.logprobs or p.top_logprobs > 0,
-        top_logprobs=p.top_logprobs,
-        ignore_eos=p.ignore_eos,
-        num_experts_per_token=p.num_experts_per_token,
-    )
+    """The message's fields by name as SamplingOptions, which gives them meaning. `context_left`: the
+    tokens the context has after the prompt, what max_tokens 0 asks for."""
+    sent = {}
+    for f in p.DESCRIPTOR.fields:
+        value = getattr(p, f.name)
+        if (f.has_presence and not p.HasField(f.name)) or (f.name in ZERO_IS_UNSET and not value):
+            continue
+        sent[f.name] = tuple(value) if f.is_repeated else value
+    sent["max_tokens"] = p.max_tokens if p.max_tokens > 0 else context_left
+    sent["logprobs"] = p.logprobs or p.top_logprobs > 0  # top logprobs come with the sampled token's
+    return SamplingOptions(**sent)
 
 
 def prompt_ids(model: ServingModel, request: pb.GenerateRequest | pb.ScoreRequest) -> list[int]:
@@ -170,8 +169,8 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
         model = await self._ready(context)
         ids = await self._prompt_ids(model, request, context)
-        if not 0 <= request.top_logprobs <= 20:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs must be in [0, 20]")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         parent = extract_grpc_context(context.invocation_metadata())
         with _tracer.start_as_current_span("attention.score", context=parent):
             try:

@@ -152,10 +152,10 @@ class ServicesEngine:
         self._snapshots: dict[str, asyncio.Task] = {}
 
     async def generate(self, ids: list[int], max_tokens: int) -> AsyncIterator[float]:
-        from splitmoe.gateway.attention_types import GenerateParams, SamplingParams
+        from splitmoe.gateway.attention_types import GenerateParams
 
         params = GenerateParams(request_id=f"bench-{uuid.uuid4().hex[:12]}", prompt=tuple(ids),
-                                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                                sampling={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
         from splitmoe.gateway.attention_client import AttentionError
 
         count = 0

@@ -1,45 +1,45 @@
-"""The HTTP app: routes, middleware and exception handlers around the handlers in serving.py.
+"""The HTTP app: routes and exception handlers around the handlers in handlers/, in the middleware of
+middleware.py and request_id.py.
 
 A route parses its body, calls its handler, and maps the outcome: an `ErrorResponse` becomes JSON
 with its status, a response model JSON, an async iterator SSE. The attention client lives as
-long as the app (the lifespan below). Middleware is pure ASGI, so a client's disconnect still
-reaches the streaming response and cancels its generation. Every response carries its request's
-id (`x-request-id`), and so does every error body: the log says the rest under that id.
+long as the app (the lifespan below). Every response carries its request's id (`x-request-id`),
+and so does every error body: the log says the rest under that id.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from contextvars import ContextVar
 from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 from splitmoe.gateway.admission import Admission
 from splitmoe.gateway.attention_client import AttentionClient, AttentionError
+from splitmoe.gateway.handlers.base import GenerationHandler
+from splitmoe.gateway.handlers.chat import ChatHandler
+from splitmoe.gateway.handlers.completions import CompletionHandler
+from splitmoe.gateway.handlers.models import ServedModel
+from splitmoe.gateway.handlers.ops import OpsHandler
 from splitmoe.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from splitmoe.gateway.middleware import PROBE_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
 from splitmoe.gateway.openai_types import (
-    ChatCompletionRequest, CompletionRequest, ErrorResponse, error_response, validation_error,
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, SamplingRequest, error_response, validation_error,
 )
-from splitmoe.gateway.serving import ChatHandler, CompletionHandler, OpsHandler, ServedModel
+from splitmoe.gateway.request_id import RequestId, RequestIdMiddleware, error_json
 from splitmoe.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-PROBE_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: not counted, no trace span
-REQUEST_ID_HEADER = "x-request-id"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer tokens
 
 router = APIRouter()
@@ -49,22 +49,12 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw: Request) -> Response:
-    request_id = RequestId.current().rename("chatcmpl")
-    request = await parse_body(raw, ChatCompletionRequest)
-    if isinstance(request, ErrorResponse):
-        return to_response(request)
-    handler: ChatHandler = raw.app.state.chat
-    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
+    return await generate(raw, "chatcmpl", ChatCompletionRequest, raw.app.state.chat)
 
 
 @router.post("/v1/completions")
 async def create_completion(raw: Request) -> Response:
-    request_id = RequestId.current().rename("cmpl")
-    request = await parse_body(raw, CompletionRequest)
-    if isinstance(request, ErrorResponse):
-        return to_response(request)
-    handler: CompletionHandler = raw.app.state.completions
-    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
+    return await generate(raw, "cmpl", CompletionRequest, raw.app.state.completions)
 
 
 @router.get("/v1/models")
@@ -100,24 +90,14 @@ async def index(raw: Request) -> Response:
                          "routes": [f"{method} {path}" for method, path in routes]})
 
 
-class RequestId:
-    """This request's id: `req-<hex>`, which a generation route renames to its response's id
-    (`chatcmpl-<hex>`), so the header, the body's id, error bodies and log lines all agree."""
-
-    def __init__(self) -> None:
-        self.hex = uuid.uuid4().hex
-        self.value = f"req-{self.hex}"
-
-    def rename(self, prefix: str) -> str:
-        self.value = f"{prefix}-{self.hex}"
-        return self.value
-
-    @staticmethod
-    def current() -> "RequestId":
-        return _REQUEST_ID.get()
-
-
-_REQUEST_ID: ContextVar[RequestId] = ContextVar("request_id")
+async def generate(raw: Request, id_prefix: str, body: type[SamplingRequest], handler: GenerationHandler) -> Response:
+    """A generation route: the request's id renamed to its response's (`chatcmpl-<hex>`), its body parsed and
+    handed to its handler, which a hang-up cancels."""
+    request_id = RequestId.current().rename(id_prefix)
+    request = await parse_body(raw, body)
+    if isinstance(request, ErrorResponse):
+        return to_response(request)
+    return to_response(await with_cancellation(raw, handler.create(request, request_id)))
 
 
 async def parse_body(raw: Request, model: type[M]) -> M | ErrorResponse:
@@ -138,17 +118,6 @@ def to_response(result: ErrorResponse | BaseModel | dict | AsyncIterator[str] | 
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def error_json(error: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The error with its request's id, in the body and in the header (set here too: a 500 from an
-    unhandled exception is sent from outside RequestIdMiddleware)."""
-    request_id = _REQUEST_ID.get(None)
-    headers = dict(headers or {})
-    if request_id is not None:
-        error.error.request_id = error.error.request_id or request_id.value
-        headers[REQUEST_ID_HEADER] = request_id.value
-    return JSONResponse(error.model_dump(), status_code=error.status_code, headers=headers)
 
 
 async def with_cancellation(raw: Request, work: Awaitable[T]) -> T | None:
@@ -174,119 +143,6 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-# ------------------------------------------------------------------------------------- middleware
-
-class RequestIdMiddleware:
-    """Gives each request its id (RequestId) and every response its `x-request-id` header."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        request_id = RequestId()
-        _REQUEST_ID.set(request_id)  # this request's task and those it starts; an exception handler too
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                if REQUEST_ID_HEADER not in headers:
-                    headers.append(REQUEST_ID_HEADER, request_id.value)
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class BodyLimitMiddleware:
-    """Buffers each request body up to the limit; a larger one gets 413 before anything parses it."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        body = await self._read_body(scope, receive)
-        if body is None:
-            too_large = error_response(413, f"the request body exceeds {self.max_body_bytes} bytes",
-                                       code="request_too_large")
-            return await error_json(too_large)(scope, receive, send)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:  # later reads wait for the client's disconnect, as the server delivers it
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return None
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:  # chunked bodies declare no length
-                return None
-            more = message.get("more_body", False)
-        return b"".join(chunks)
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every path but `open_paths`."""
-
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
-            return await self.app(scope, receive, send)
-        denied = error_response(401, "invalid or missing API key", code="invalid_api_key")
-        await error_json(denied, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer":
-            token = headers.get(b"x-api-key", b"")
-        return hmac.compare_digest(token.strip(), self.api_key)  # constant time: no timing oracle
-
-
-class StatusCountMiddleware:
-    """Counts responses by HTTP status (401 and 413 included, which never reach a route)."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
-            return await self.app(scope, receive, send)
-        status = 500  # what the client gets if the app fails before it answers
-
-        async def counted_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted_send)
-        finally:
-            self.metrics.http_responses.labels(status=str(status)).inc()
-
-
 # ----------------------------------------------------------------------------- exception handlers
 
 async def http_exception(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -300,7 +156,7 @@ async def request_validation_exception(raw: Request, exc: RequestValidationError
 
 
 async def internal_exception(raw: Request, exc: Exception) -> JSONResponse:
-    request_id = _REQUEST_ID.get(None)
+    request_id = RequestId.current_or_none()
     log.error("%s: unhandled error on %s %s", request_id and request_id.value, raw.method, raw.url.path, exc_info=exc)
     return error_json(error_response(500, "internal error in the gateway"))
 

@@ -2,24 +2,29 @@
 
 Every call carries a deadline from settings and the current trace context; every gRPC failure
 becomes an `AttentionError` that already knows its HTTP status, so handlers never see grpc types.
-This is the gateway's only protobuf module: calls take and return attention_types' dataclasses,
-and the functions at the end convert them to messages and back.
+This is the gateway's only protobuf module: calls take and return attention_types' values, and the
+functions at the end convert them to messages and back, field by field of the same name.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
+from dataclasses import fields
+from typing import TypeVar
 
 import grpc
 
 from splitmoe.gateway.attention_types import (
-    AttentionStats, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, Prompt, SamplingParams,
-    ScoreParams, ScoreResult, TokenLogprob, TopLogprob, Usage,
+    AttentionStats, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, Prompt, ScoreParams, ScoreResult,
+    TokenLogprob, TopLogprob, Usage,
 )
 from splitmoe.gateway.settings import GatewaySettings
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto.attention_pb2_grpc import AttentionServiceStub
 from splitmoe.runtime.telemetry import inject_grpc_metadata
+
+A = TypeVar("A")
 
 # The attention service's status codes, as the HTTP status the gateway answers with; any other is a 500.
 HTTP_STATUS = {
@@ -119,21 +124,13 @@ class AttentionClient:
 # ------------------------------------------------------------------------ dataclasses <-> messages
 
 def generate_request(params: GenerateParams) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=params.request_id, sampling=sampling_message(params.sampling),
+    return pb.GenerateRequest(request_id=params.request_id, sampling=pb.SamplingParams(**params.sampling),
                               reasoning_inline=params.reasoning_inline, **_prompt_field(params.prompt))
 
 
 def score_request(params: ScoreParams) -> pb.ScoreRequest:
     return pb.ScoreRequest(request_id=params.request_id, top_logprobs=params.top_logprobs,
                            **_prompt_field(params.prompt))
-
-
-def sampling_message(s: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        seed=s.seed, stop=s.stop, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-        ignore_eos=s.ignore_eos, num_experts_per_token=s.num_experts_per_token)  # seed None leaves seed unset
 
 
 def _prompt_field(prompt: Prompt) -> dict:
@@ -148,33 +145,36 @@ def _prompt_field(prompt: Prompt) -> dict:
                                   template_kwargs=kwargs)}
 
 
+def _answer(cls: type[A], message, **differing) -> A:
+    """`cls` from the message's fields of the same names; `differing`: those named or valued otherwise.
+    An answer dataclass is the part of its message the gateway reads: a field added to both needs no code here."""
+    return cls(**{name: getattr(message, name) for name in _field_names(cls) if name not in differing}, **differing)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))  # cached: tokens with logprobs convert one per candidate
+
+
 def chunk_of(response: pb.GenerateResponse) -> GenerateChunk:
-    usage = None
-    if response.HasField("usage"):
-        usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
-    return GenerateChunk(text=response.text, reasoning_text=response.reasoning_text, tokens=_tokens_of(response.tokens),
-                         finish_reason=response.finish_reason or None, usage=usage)
+    usage = _answer(Usage, response.usage) if response.HasField("usage") else None
+    return _answer(GenerateChunk, response, tokens=_tokens_of(response.tokens),
+                   finish_reason=response.finish_reason or None, usage=usage)
 
 
 def score_result_of(response: pb.ScoreResponse) -> ScoreResult:
-    return ScoreResult(tokens=_tokens_of(response.tokens), prompt_tokens=response.usage.prompt_tokens,
-                       text=response.text)
+    return _answer(ScoreResult, response, tokens=_tokens_of(response.tokens),
+                   prompt_tokens=response.usage.prompt_tokens)
 
 
 def _tokens_of(tokens) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(token=t.token, token_bytes=t.token_bytes, logprob=t.logprob,
-                              top=tuple(TopLogprob(c.token, c.token_bytes, c.logprob) for c in t.top))
-                 for t in tokens)
+    return tuple(_answer(TokenLogprob, t, top=tuple(_answer(TopLogprob, c) for c in t.top)) for t in tokens)
 
 
 def model_info_of(info: pb.ModelInfoResponse) -> ModelInfo:
-    return ModelInfo(ready=info.ready, model_id=info.model_id, context_tokens=info.context_tokens)
+    return _answer(ModelInfo, info)
 
 
 def stats_of(s: pb.AttentionStats) -> AttentionStats:
-    hops = tuple(HopStats(address=h.expert_address, healthy=h.healthy, num_hops=h.num_hops, hop_s_total=h.hop_s_total,
-                          compute_s_total=h.compute_s_total, bytes_total=h.bytes_total) for h in s.hops)
-    tokens = tuple(ExpertTokens(layer=e.layer, expert=e.expert, tokens=e.tokens) for e in s.expert_tokens)
-    return AttentionStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-                          num_steps=s.num_steps, max_batch_tokens_seen=s.max_batch_tokens_seen,
-                          max_batch_seqs_seen=s.max_batch_seqs_seen, hops=hops, expert_tokens=tokens)
+    hops = tuple(_answer(HopStats, h, address=h.expert_address) for h in s.hops)
+    return _answer(AttentionStats, s, hops=hops, expert_tokens=tuple(_answer(ExpertTokens, e) for e in s.expert_tokens))

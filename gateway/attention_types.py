@@ -1,6 +1,6 @@
 """What the gateway sends to and gets from the attention service, as our own frozen dataclasses.
 
-openai_types.py builds the requests, serving.py reads the answers; only attention_client.py turns
+openai_types.py builds the requests, the handlers read the answers; only attention_client.py turns
 them into protobuf messages and back, so a change of wire format touches that one file.
 """
 from __future__ import annotations
@@ -11,24 +11,10 @@ from typing import Any
 
 # ------------------------------------------------------------------------------------- requests
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """OpenAI's defaults made explicit; the attention service reads no field as "unset"."""
-    max_tokens: int                     # 0: until EOS, a stop string or a full context
-    temperature: float = 1.0            # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0                      # 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0     # 1: off
-    logprobs: bool = False
-    top_logprobs: int = 0               # with `logprobs`: also this many most likely candidates
-    ignore_eos: bool = False
-    num_experts_per_token: int = 0      # 0: the model's own
+# The sampling options under their names in proto/attention.proto's SamplingParams, which declares them.
+# The gateway only passes them on (attention_client copies them by name), so a new option needs the proto's
+# field and openai_types' mapping to it, and nothing here.
+SamplingParams = Mapping[str, int | float | bool | tuple[str, ...]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,15 +3,14 @@
 Requests validate strictly (a string where a number belongs is a 400, as at OpenAI), bound every
 integer to what its protobuf field holds, refuse the parameters they do not implement, accept and
 log other unknown fields, and convert themselves to the attention service's `GenerateParams` (and
-`ScoreParams`) in one method. Responses are plain models; the handlers in serving.py fill them.
+`ScoreParams`) in one method. Responses are plain models; the handlers (handlers/) fill them.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
@@ -197,12 +196,13 @@ class SamplingRequest(OpenAIBaseModel):
         return [s for s in stops if s]
 
     def sampling_params(self, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
-        """`top_logprobs` None: no logprobs; 0: the sampled token's only."""
+        """The request's sampling under the wire's names, each one sent (OpenAI's default where the request
+        has none), but the seed, which `seeded` adds. `top_logprobs` None: no logprobs; 0: the sampled token's only."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         if top_p == 0.0:  # the attention service reads top_p 0 as 1.0; a nucleus of 0 keeps only the top token
             temperature, top_p = 0.0, 1.0
-        return SamplingParams(
+        return dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(self.top_k or 0, 0),
             min_p=self.min_p or 0.0, stop=tuple(self.stop_strings()),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
@@ -214,7 +214,7 @@ class SamplingRequest(OpenAIBaseModel):
         """Choice i of n samples with seed + i, so `n` choices differ yet replay exactly."""
         if self.seed is None:
             return params
-        return replace(params, seed=(self.seed + choice + INT64_MAX + 1) % 2**64 - INT64_MAX - 1)  # wraps in int64
+        return {**params, "seed": (self.seed + choice + INT64_MAX + 1) % 2**64 - INT64_MAX - 1}  # wraps in int64
 
 
 def fan_out(request_id: str, n: int) -> list[str]:
@@ -371,6 +371,20 @@ class UsageInfo(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+Choice = TypeVar("Choice", bound=BaseModel)
+
+
+class ChoicesBody(BaseModel, Generic[Choice]):
+    """The fields, in OpenAI's order, of every generation response and stream chunk. A body names its
+    `object` and may narrow more; a narrowed field keeps its place here, so the JSON's order stays OpenAI's."""
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: UsageInfo | None = None
+
+
 class ChatCompletionLogProb(BaseModel):
     token: str
     logprob: float
@@ -400,12 +414,8 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ChoicesBody[ChatCompletionChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
 
@@ -427,13 +437,9 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ChoicesBody[ChatCompletionStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -451,14 +457,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(ChoicesBody[CompletionChoice]):
     """Both the full response and a stream chunk (OpenAI uses one shape for both)."""
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

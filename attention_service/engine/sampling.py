@@ -10,9 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
+    """What the sampling options mean: their defaults and ranges. Their names are proto/attention.proto's
+    SamplingParams fields, which server.py copies by name; a typed object, read at every sampled token."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,8 +43,8 @@ class SamplingOptions:
             raise ValueError("top_k must be >= 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError("top_logprobs must be in [0, 20]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2]")

@@ -12,8 +12,8 @@ from splitmoe.gateway.attention_client import (
     AttentionError, chunk_of, generate_request, model_info_of, score_request, score_result_of, stats_of,
 )
 from splitmoe.gateway.attention_types import (
-    ChatPrompt, ChatTurn, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, SamplingParams,
-    ScoreParams, ScoreResult, TokenLogprob, TopLogprob, Usage,
+    ChatPrompt, ChatTurn, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, ScoreParams,
+    ScoreResult, TokenLogprob, TopLogprob, Usage,
 )
 from splitmoe.gateway.openai_types import error_response
 from splitmoe.proto import attention_pb2 as pb
@@ -62,9 +62,9 @@ def test_an_internal_failure_is_openais_server_error_without_its_details():
 def test_a_chat_call_becomes_a_generate_request():
     chat = ChatPrompt(messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi", name="ada")),
                       add_generation_prompt=False, template_kwargs={"enable_thinking": False})
-    sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=11, stop=("END",),
-                              presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, logprobs=True,
-                              top_logprobs=3, ignore_eos=True, num_experts_per_token=4)
+    sampling = dict(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=11, stop=("END",),
+                    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, logprobs=True,
+                    top_logprobs=3, ignore_eos=True, num_experts_per_token=4)
     request = generate_request(GenerateParams("chatcmpl-1", chat, sampling))
     assert request.request_id == "chatcmpl-1" and request.WhichOneof("prompt") == "chat"
     assert [(m.role, m.content, m.name) for m in request.chat.messages] == [("system", "be brief", ""),
@@ -82,12 +82,18 @@ def test_a_chat_call_becomes_a_generate_request():
 
 @pytest.mark.parametrize("seed, sent", [(None, False), (0, True), (-5, True)])
 def test_only_an_absent_seed_is_left_unset(seed, sent):
-    s = generate_request(GenerateParams("r", "x", SamplingParams(max_tokens=1, seed=seed))).sampling
+    options = {"max_tokens": 1} if seed is None else {"max_tokens": 1, "seed": seed}
+    s = generate_request(GenerateParams("r", "x", options)).sampling
     assert s.HasField("seed") is sent and (not sent or s.seed == seed)
 
 
+def test_a_sampling_option_the_wire_lacks_fails_loudly():
+    with pytest.raises(ValueError, match="max_token"):  # copied by name: a misspelt one is not dropped
+        generate_request(GenerateParams("r", "x", {"max_token": 1}))
+
+
 def test_prompts_fill_the_oneof():
-    text = generate_request(GenerateParams("r", "once", SamplingParams(max_tokens=1)))
+    text = generate_request(GenerateParams("r", "once", {"max_tokens": 1}))
     assert text.WhichOneof("prompt") == "text" and text.text == "once"
     ids = score_request(ScoreParams("r-score0", (5, 17, 30), top_logprobs=2))
     assert ids.WhichOneof("prompt") == "token_ids" and list(ids.token_ids.ids) == [5, 17, 30]

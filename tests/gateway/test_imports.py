@@ -16,5 +16,5 @@ def test_gateway_imports_no_torch_and_no_engine_packages():
 
 
 def test_only_the_attention_client_imports_protobuf():
-    importers = sorted(p.name for p in (REPO / "gateway").glob("*.py") if "_pb2" in p.read_text())
+    importers = sorted(p.name for p in (REPO / "gateway").rglob("*.py") if "_pb2" in p.read_text())
     assert importers == ["attention_client.py"]

@@ -10,6 +10,7 @@ from splitmoe.gateway.openai_types import (
     INT32_MAX, INT64_MAX, MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, CompletionRequest, UnknownFieldLog, error_response,
     validation_error,
 )
+from splitmoe.proto import attention_pb2 as pb
 
 CHAT = '{"messages": [{"role": "user", "content": "hi"}]'
 
@@ -33,9 +34,9 @@ def test_chat_converts_to_one_generate_call_with_openai_defaults():
     assert req.request_id == "chatcmpl-1"
     assert req.prompt == ChatPrompt(messages=(ChatTurn("user", "hi"),), add_generation_prompt=True)
     s = req.sampling
-    assert s.max_tokens == 0  # 0: until EOS, a stop or the end of the context
-    assert s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0 and s.min_p == 0.0
-    assert s.seed is None and not s.logprobs and s.top_logprobs == 0 and s.stop == ()
+    assert s["max_tokens"] == 0  # 0: until EOS, a stop or the end of the context
+    assert s["temperature"] == 1.0 and s["top_p"] == 1.0 and s["top_k"] == 0 and s["min_p"] == 0.0
+    assert "seed" not in s and not s["logprobs"] and s["top_logprobs"] == 0 and s["stop"] == ()
 
 
 def test_chat_sampling_parameters_reach_the_request():
@@ -43,48 +44,55 @@ def test_chat_sampling_parameters_reach_the_request():
             '"stop": "END", "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": true,'
             '"top_logprobs": 3, "ignore_eos": true, "num_experts_per_token": 4')
     s = chat(body).to_generate_params("r")[0].sampling
-    assert (s.max_tokens, s.top_k, s.seed, s.stop, s.top_logprobs) == (7, 40, 11, ("END",), 3)
-    assert s.temperature == 0.5 and s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.05)
-    assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.5
-    assert s.logprobs and s.ignore_eos and s.num_experts_per_token == 4
+    assert (s["max_tokens"], s["top_k"], s["seed"], s["stop"], s["top_logprobs"]) == (7, 40, 11, ("END",), 3)
+    assert s["temperature"] == 0.5 and s["top_p"] == pytest.approx(0.9) and s["min_p"] == pytest.approx(0.05)
+    assert s["presence_penalty"] == 0.5 and s["frequency_penalty"] == -0.5
+    assert s["logprobs"] and s["ignore_eos"] and s["num_experts_per_token"] == 4
 
 
 def test_repetition_penalty_template_kwargs_and_names_reach_the_request():
     body = ('"repetition_penalty": 1.1, "chat_template_kwargs": {"enable_thinking": false}, "tool_choice": "none",'
             '"min_tokens": 0, "stop_token_ids": [], "modalities": ["text"]')  # no-op values of unsupported ones
     [req] = chat(body).to_generate_params("r")
-    assert req.sampling.repetition_penalty == pytest.approx(1.1)
+    assert req.sampling["repetition_penalty"] == pytest.approx(1.1)
     assert req.prompt.template_kwargs == {"enable_thinking": False}
     named = ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": "a", "name": "bo"}]}')
     assert named.to_generate_params("r")[0].prompt.messages == (ChatTurn("user", "a", name="bo"),)
-    assert chat().to_generate_params("r")[0].sampling.repetition_penalty == 1.0
+    assert chat().to_generate_params("r")[0].sampling["repetition_penalty"] == 1.0
+
+
+def test_every_sampling_option_the_wire_declares_is_sent():
+    """OpenAI's defaults made explicit, never the proto's zeros: a new SamplingParams field needs its mapping."""
+    declared = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
+    assert set(chat('"seed": 3').to_generate_params("r")[0].sampling) == declared
+    assert set(completion('{"prompt": "a"}').to_generate_params("c")[0].sampling) == declared - {"seed"}
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
-    assert chat('"max_tokens": 5, "max_completion_tokens": 9').to_generate_params("r")[0].sampling.max_tokens == 9
+    assert chat('"max_tokens": 5, "max_completion_tokens": 9').to_generate_params("r")[0].sampling["max_tokens"] == 9
 
 
 def test_top_p_zero_means_greedy_not_the_protos_default():
     s = chat('"top_p": 0').to_generate_params("r")[0].sampling
-    assert (s.temperature, s.top_p) == (0.0, 1.0)
+    assert (s["temperature"], s["top_p"]) == (0.0, 1.0)
 
 
 def test_top_k_minus_one_is_off_and_empty_stops_are_dropped():
     s = chat('"top_k": -1, "stop": ["", "a", "b"]').to_generate_params("r")[0].sampling
-    assert s.top_k == 0 and s.stop == ("a", "b")
+    assert s["top_k"] == 0 and s["stop"] == ("a", "b")
 
 
 def test_n_fans_out_with_offset_seeds_and_distinct_ids():
     reqs = chat('"n": 3, "seed": 100').to_generate_params("chatcmpl-x")
     assert [r.request_id for r in reqs] == ["chatcmpl-x-0", "chatcmpl-x-1", "chatcmpl-x-2"]
-    assert [r.sampling.seed for r in reqs] == [100, 101, 102]
+    assert [r.sampling["seed"] for r in reqs] == [100, 101, 102]
     unseeded = chat('"n": 2').to_generate_params("r")
-    assert all(r.sampling.seed is None for r in unseeded)
+    assert all("seed" not in r.sampling for r in unseeded)
 
 
 def test_seed_offset_wraps_within_int64():
     reqs = chat(f'"n": 2, "seed": {INT64_MAX}').to_generate_params("r")
-    assert [r.sampling.seed for r in reqs] == [INT64_MAX, -INT64_MAX - 1]
+    assert [r.sampling["seed"] for r in reqs] == [INT64_MAX, -INT64_MAX - 1]
 
 
 def test_message_content_parts_and_developer_role():
@@ -201,16 +209,17 @@ def test_completion_requests_are_prompt_major_with_seeds_per_choice():
     req = completion('{"prompt": [[1, 2], [3]], "n": 2, "seed": 5, "max_tokens": 4, "logprobs": 2}')
     gens = req.to_generate_params("cmpl-1")
     assert [g.prompt for g in gens] == [(1, 2), (1, 2), (3,), (3,)]
-    assert [g.sampling.seed for g in gens] == [5, 6, 5, 6]
+    assert [g.sampling["seed"] for g in gens] == [5, 6, 5, 6]
     assert len({g.request_id for g in gens}) == 4
-    assert all(g.sampling.max_tokens == 4 and g.sampling.logprobs and g.sampling.top_logprobs == 2 for g in gens)
+    sent = [g.sampling for g in gens]
+    assert all(s["max_tokens"] == 4 and s["logprobs"] and s["top_logprobs"] == 2 for s in sent)
     scores = req.to_score_params("cmpl-1")
     assert [s.prompt for s in scores] == [(1, 2), (3,)] and scores[0].top_logprobs == 2
 
 
 def test_completion_text_prompt_and_defaults():
     [gen] = completion('{"prompt": "once"}').to_generate_params("c")
-    assert gen.prompt == "once" and gen.sampling.max_tokens == 16 and not gen.sampling.logprobs
+    assert gen.prompt == "once" and gen.sampling["max_tokens"] == 16 and not gen.sampling["logprobs"]
 
 
 @pytest.mark.parametrize("body, scores", [

@@ -8,14 +8,14 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
 
 from splitmoe.gateway.admission import Admission, Refused
 from splitmoe.gateway.attention_client import AttentionError
-from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, SamplingParams, TokenLogprob, TopLogprob, Usage
+from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, TokenLogprob, TopLogprob, Usage
 from splitmoe.gateway.openai_types import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionStreamChoice, DeltaMessage, UsageInfo,
 )
-from splitmoe.gateway.serving import (
-    SSE_DONE, ChatHandler, ChoiceState, OpenStream, completion_logprobs, chat_logprobs, merge, open_streams,
-    sse_line, sse_stream, total_usage,
-)
+from splitmoe.gateway.handlers.chat import ChatHandler
+from splitmoe.gateway.logprobs import chat_logprobs, completion_logprobs
+from splitmoe.gateway.sse import SSE_DONE, sse_line, sse_stream
+from splitmoe.gateway.streams import ChoiceState, OpenStream, merge, open_streams, total_usage
 
 
 def token(text, logprob=-1.0, top=()):
@@ -238,7 +238,7 @@ def test_open_streams_cancels_the_others_when_one_is_rejected():
 
     async def run():
         with pytest.raises(AttentionError, match="expert services down"):
-            await open_streams(FakeClient(calls), admission, [GenerateParams("r-0", "x", SamplingParams(1))] * 2)
+            await open_streams(FakeClient(calls), admission, [GenerateParams("r-0", "x", {"max_tokens": 1})] * 2)
     asyncio.run(run())
     assert all(c.closed for c in calls) and admission.in_flight == 0
 
@@ -246,7 +246,7 @@ def test_open_streams_cancels_the_others_when_one_is_rejected():
 def test_each_call_holds_its_admission_slot_until_it_ends():
     admission = Admission(max_per_request=4, max_in_flight=3)
     calls = [FakeCall(responses("a", "b")), FakeCall(responses("x", "y", "z"))]
-    params = [GenerateParams("r-0", "x", SamplingParams(1))] * 2
+    params = [GenerateParams("r-0", "x", {"max_tokens": 1})] * 2
 
     async def run():
         streams = await open_streams(FakeClient(calls), admission, params)

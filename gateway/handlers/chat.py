@@ -1,0 +1,52 @@
+"""POST /v1/chat/completions: one Generate call per choice."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from splitmoe.gateway.attention_types import GenerateChunk
+from splitmoe.gateway.handlers.base import Generation, GenerationHandler
+from splitmoe.gateway.logprobs import chat_logprobs
+from splitmoe.gateway.metrics import RequestTimer
+from splitmoe.gateway.openai_types import (
+    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatResponseMessage, DeltaMessage, UsageInfo,
+)
+from splitmoe.gateway.streams import ChoiceState, open_streams
+
+
+class ChatHandler(GenerationHandler):
+    """POST /v1/chat/completions."""
+    chunk_type = ChatCompletionChunk
+
+    async def _start(self, request: ChatCompletionRequest, request_id: str, model: str,
+                     timer: RequestTimer) -> Generation:
+        streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
+        return Generation(request, request_id, model, timer, [ChoiceState() for _ in streams], streams)
+
+    def _response(self, gen: Generation, usage: UsageInfo) -> ChatCompletionResponse:
+        request = gen.request
+        choices = [ChatCompletionChoice(
+            index=i, finish_reason=s.finish_reason,
+            message=ChatResponseMessage(content="".join(s.text), reasoning_content="".join(s.reasoning) or None),
+            logprobs=chat_logprobs(s.tokens, request.top_logprobs or 0) if request.logprobs else None)
+            for i, s in enumerate(gen.states)]
+        return ChatCompletionResponse(id=gen.request_id, model=gen.model, choices=choices, usage=usage)
+
+    def _opening_choices(self, gen: Generation) -> Iterable[ChatCompletionStreamChoice]:
+        """The first delta of each choice carries the role."""
+        return [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(len(gen.states))]
+
+    def _stream_choices(self, gen: Generation, i: int, message: GenerateChunk) -> list[ChatCompletionStreamChoice]:
+        """A content delta (when there is new text or logprobs), then the finish as its own delta."""
+        request = gen.request
+        choices = []
+        logprobs = chat_logprobs(message.tokens, request.top_logprobs or 0) if request.logprobs else None
+        if message.text or message.reasoning_text or (logprobs is not None and logprobs.content):
+            delta = DeltaMessage(content=message.text if message.text or not message.reasoning_text else None,
+                                 reasoning_content=message.reasoning_text or None)
+            choices.append(ChatCompletionStreamChoice(index=i, delta=delta, logprobs=logprobs))
+        if message.finish_reason:
+            choices.append(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(),
+                                                      finish_reason=message.finish_reason))
+        return choices
