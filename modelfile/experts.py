@@ -20,9 +20,10 @@ import torch
 from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.int4pack import can_repack
-from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
+from splitmoe.kernels.moe import ExpertFFN, moe_forward
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from splitmoe.kernels.repack_cache import RepackCache, load_or_repack, tensor_digest
+from splitmoe.modelfile.architectures import architecture
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 
@@ -30,9 +31,6 @@ log = logging.getLogger("splitmoe.experts")
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 _MATRICES = ("gate", "up", "down")
-# The expert activation is fixed by the architecture's code, not stored in the file (as in
-# llama.cpp's graphs); every architecture not named here uses SiLU-gated experts.
-_ACTIVATION_BY_ARCH = {"gpt-oss": ACT_SWIGLU_OAI}
 
 
 class ExpertKey(NamedTuple):
@@ -70,15 +68,15 @@ def load_layer_experts(g: GGUFFile, layer: int, experts: Iterable[int]) -> dict[
     cfg = ModelConfig.from_gguf(g)
     E, D, F = expert_count(g), cfg.hidden_size, cfg.expert_ffn
     shapes = {"gate": (F, D), "up": (F, D), "down": (D, F)}  # per expert, torch order [out, in]
+    activation = architecture(g.arch).expert_activation  # the file does not say; its architecture does
     if g.has(f"blk.{layer}.ffn_gate_exps.weight"):
         stacked = [g.tensor(f"blk.{layer}.ffn_{m}_exps.weight", (E, *shapes[m])) for m in _MATRICES]
         biases = [_stacked_bias(g, f"blk.{layer}.ffn_{m}_exps.bias", (E, shapes[m][0])) for m in _MATRICES]
-        activation = _ACTIVATION_BY_ARCH.get(g.arch, ACT_SILU)
         return {e: ExpertFFN(*(t[e] for t in stacked), *(None if b is None else b[e] for b in biases),
                              activation=activation) for e in experts}
     if g.has(f"blk.{layer}.ffn_gate.0.weight"):
-        return {e: ExpertFFN(*(g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight", shapes[m]) for m in _MATRICES))
-                for e in experts}
+        return {e: ExpertFFN(*(g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight", shapes[m]) for m in _MATRICES),
+                             activation=activation) for e in experts}
     raise GGUFError(f"{g.path.name}: missing tensor 'blk.{layer}.ffn_gate_exps.weight' (layer {layer} has a router)")
 
 

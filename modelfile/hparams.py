@@ -75,7 +75,8 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None) -> "ModelConfig":
-        """`defaults` are the architecture's values for keys its files may omit (by field name)."""
+        """`defaults` are the architecture's values for keys its files may omit (by field name):
+        modelfile/architectures.py, whose `Architecture.config` passes them."""
         defaults = dict(defaults or {})
         unknown = set(defaults) - {f.name for f in fields(cls)}
         if unknown:

@@ -1,15 +1,16 @@
 """Multi-head attention with grouped KV heads over the paged cache (Qwen, Mixtral, OLMoE, gpt-oss).
 
-An architecture names its attention class in its ArchSpec; each class loads its own weights,
-declares its KV cache entries and computes one layer. MLA (DeepSeek) is another such class.
+An architecture names its attention kind in its ArchSpec (attention_kinds.py maps kinds to classes);
+each class loads its own weights, declares its KV cache entries and computes one layer. MLA
+(DeepSeek) is another such class.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from splitmoe.attention_service.model.arch_spec import QK_NORM_FULL, QK_NORM_NONE, QK_NORM_PER_HEAD, ArchSpec
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
@@ -20,10 +21,6 @@ from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantLinear
 from splitmoe.modelfile.hparams import ModelConfig
 
-if TYPE_CHECKING:
-    from splitmoe.attention_service.models.base import ArchSpec
-
-QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
 SCORES_PER_CHUNK = 1 << 22
 # Steps in which no sequence brings more new tokens than this take the native decode attention
@@ -188,7 +185,8 @@ class MultiHeadAttention:
         return {"k": (c.num_kv_heads, c.head_dim), "v": (c.num_kv_heads, c.value_head_dim)}
 
     def native_front(self, i: int, w: AttentionWeights, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
-                     router: torch.Tensor | None, router_bias: torch.Tensor | None, kv: KVCache) -> AttentionFront | None:
+                     router: torch.Tensor | None, router_bias: torch.Tensor | None,
+                     kv: KVCache) -> AttentionFront | None:
         """Layer i's attention half as one native call (kernels.decode_layer), or None where a weight
         has no native route (the float32 mode's dense weights, a type the kernels lack)."""
         if not all(isinstance(m, QuantLinear) and m.route == "native" for m in (w.q, w.k, w.v, w.out)):

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from splitmoe.attention_service.model.arch_spec import ArchSpec
 from splitmoe.attention_service.model.attention import use_native_decode
 from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.model.kv_cache import KVCache
@@ -26,9 +26,6 @@ from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.linear import LinearWeight, QuantLinear
 from splitmoe.modelfile.gguf_file import GGUFError
 from splitmoe.modelfile.hparams import ModelConfig, RopeScaling
-
-if TYPE_CHECKING:
-    from splitmoe.attention_service.models.base import ArchSpec
 
 LATENT_ENTRY = "latent"  # the KV cache entry: [normed latent (L) | roped shared key (R)] per token
 # At most this many float32 scores [rows, C] at once: queries are taken in chunks of rows.

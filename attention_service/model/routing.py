@@ -47,6 +47,12 @@ def _biased_grouped_top_k(probs: torch.Tensor, top_k: int, bias: torch.Tensor | 
     return torch.topk(scores, top_k, dim=-1).indices
 
 
+def sums_to_one(gating: str, renormalize: bool) -> bool:
+    """Whether `route`'s weights of a token sum to one (before `scale`): renormalised, or a softmax
+    over the chosen k alone."""
+    return renormalize or gating == GATING_SOFTMAX_WEIGHT
+
+
 def limit_experts(ids: torch.Tensor, weights: torch.Tensor, experts_per_token: torch.Tensor,
                   renormalized: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep each token's first `experts_per_token[t]` experts (ids come best first); drop the rest.

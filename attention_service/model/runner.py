@@ -69,7 +69,7 @@ class ModelRunner:
         options = options or RunnerOptions()
         g = model if isinstance(model, GGUFFile) else GGUFFile(model)
         spec = arch_spec(g.arch, g.path.name)
-        cfg = ModelConfig.from_gguf(g, spec.hparam_defaults)
+        cfg = spec.architecture.config(g)
         if options.experts_per_token:
             check_experts_per_token(options.experts_per_token, cfg)
             cfg = dataclasses.replace(cfg, num_experts_used=options.experts_per_token)

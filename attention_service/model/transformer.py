@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from splitmoe.attention_service.model.attention import use_native_decode
-from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.experts.backend import ExpertBackend, ExpertsHandle
+from splitmoe.attention_service.model.arch_spec import ArchSpec
+from splitmoe.attention_service.model.attention import use_native_decode
+from splitmoe.attention_service.model.attention_kinds import attention_class
+from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import linear, rms_norm, swiglu
-from splitmoe.attention_service.models.base import ArchSpec
-from splitmoe.attention_service.model.routing import limit_experts, route
+from splitmoe.attention_service.model.routing import limit_experts, route, sums_to_one
 from splitmoe.attention_service.model.weights import LayerWeights, ModelWeights
-from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
+from splitmoe.modelfile.hparams import ModelConfig
 
 
 class _PendingFFN:
@@ -47,7 +48,7 @@ class MoETransformer:
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, weights: ModelWeights, experts: ExpertBackend,
                  micro_batches: int = 1):
         self.cfg, self.spec, self.weights, self.experts = cfg, spec, weights, experts
-        self.attention = spec.attention(cfg, spec, weights.token_embedding.device)
+        self.attention = attention_class(spec)(cfg, spec, weights.token_embedding.device)
         self.dtype = weights.token_embedding.dtype
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, not {micro_batches}")
@@ -154,7 +155,7 @@ class MoETransformer:
                              c.expert_weights_norm, c.expert_weights_scale, selection_bias=w.selection_bias,
                              num_groups=c.num_expert_groups, num_groups_used=c.num_expert_groups_used)
         if per_token is not None:
-            renormalized = c.expert_weights_norm or c.expert_gating == GATING_SOFTMAX_WEIGHT
+            renormalized = sums_to_one(c.expert_gating, c.expert_weights_norm)
             ids, weights = limit_experts(ids, weights, per_token, renormalized)
         return ids, weights
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from splitmoe.attention_service.models.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
+from splitmoe.attention_service.model.arch_spec import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
+from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
 from splitmoe.modelfile.experts import expert_tensor_names, moe_layers
@@ -86,7 +87,7 @@ def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) ->
     is_moe = load.g.has(p + "ffn_gate_inp.weight")
     return LayerWeights(
         attn_norm=load.norm(p + "attn_norm.weight", (cfg.hidden_size,)),
-        attn=spec.attention.load_weights(load, spec, cfg, p),
+        attn=attention_class(spec).load_weights(load, spec, cfg, p),
         ffn_norm=load.norm(f"{p}{spec.ffn_norm}.weight", (cfg.hidden_size,)),
         dense_ffn=None if is_moe else _load_dense(load, cfg, p, "", cfg.dense_ffn),
         moe=_load_moe(load, spec, cfg, p) if is_moe else None,

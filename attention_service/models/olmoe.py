@@ -1,9 +1,8 @@
-"""OLMoE-1B-7B: q/k RMSNorm over the full projection width, top-k weights not renormalised."""
-from splitmoe.attention_service.model.attention import QK_NORM_FULL
-from splitmoe.attention_service.models.base import ArchSpec
+"""OLMoE-1B-7B: q/k RMSNorm over the full projection width.
 
-SPEC = ArchSpec(
-    gguf_arch="olmoe",
-    qk_norm=QK_NORM_FULL,
-    hparam_defaults={"expert_weights_norm": False},
-)
+Top-k weights not renormalised by default: modelfile/architectures.py (OLMOE).
+"""
+from splitmoe.attention_service.model.arch_spec import QK_NORM_FULL, ArchSpec
+from splitmoe.modelfile.architectures import OLMOE
+
+SPEC = ArchSpec(OLMOE, qk_norm=QK_NORM_FULL)

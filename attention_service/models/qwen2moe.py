@@ -1,9 +1,8 @@
-"""Qwen1.5/2-MoE: q/k/v bias, top-k weights not renormalised, shared expert behind a sigmoid gate."""
-from splitmoe.attention_service.models.base import SHARED_EXPERT_GATED, ArchSpec
+"""Qwen1.5/2-MoE: q/k/v bias, shared expert behind a sigmoid gate.
 
-SPEC = ArchSpec(
-    gguf_arch="qwen2moe",
-    qkv_bias=True,
-    shared_expert=SHARED_EXPERT_GATED,
-    hparam_defaults={"expert_weights_norm": False},
-)
+Top-k weights not renormalised by default: modelfile/architectures.py (QWEN2MOE).
+"""
+from splitmoe.attention_service.model.arch_spec import SHARED_EXPERT_GATED, ArchSpec
+from splitmoe.modelfile.architectures import QWEN2MOE
+
+SPEC = ArchSpec(QWEN2MOE, qkv_bias=True, shared_expert=SHARED_EXPERT_GATED)

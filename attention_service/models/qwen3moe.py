@@ -1,9 +1,8 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): per-head q/k norm, renormalised top-k."""
-from splitmoe.attention_service.model.attention import QK_NORM_PER_HEAD
-from splitmoe.attention_service.models.base import ArchSpec
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): per-head q/k norm.
 
-SPEC = ArchSpec(
-    gguf_arch="qwen3moe",
-    qk_norm=QK_NORM_PER_HEAD,
-    hparam_defaults={"expert_weights_norm": True},
-)
+Renormalised top-k by default: modelfile/architectures.py (QWEN3MOE).
+"""
+from splitmoe.attention_service.model.arch_spec import QK_NORM_PER_HEAD, ArchSpec
+from splitmoe.modelfile.architectures import QWEN3MOE
+
+SPEC = ArchSpec(QWEN3MOE, qk_norm=QK_NORM_PER_HEAD)

@@ -197,11 +197,10 @@ def test_weights_on_an_accelerator_are_dense_in_the_model_dtype(demo_gguf):
     from splitmoe.attention_service.models import arch_spec
     from splitmoe.attention_service.model.weights import load_weights
     from splitmoe.modelfile.gguf_file import GGUFFile
-    from splitmoe.modelfile.hparams import ModelConfig
 
     g = GGUFFile(demo_gguf)
     spec = arch_spec(g.arch, g.path.name)
-    weights = load_weights(g, spec, ModelConfig.from_gguf(g, spec.hparam_defaults), torch.bfloat16, torch.device("meta"))
+    weights = load_weights(g, spec, spec.architecture.config(g), torch.bfloat16, torch.device("meta"))
     layer = weights.layers[0]
     for w in (weights.token_embedding, weights.output, layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.out):
         assert isinstance(w, torch.Tensor) and w.device.type == "meta" and w.dtype == torch.bfloat16

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitmoe.attention_service.model.attention import QK_NORM_FULL, QK_NORM_PER_HEAD
+from splitmoe.attention_service.model.arch_spec import QK_NORM_FULL, QK_NORM_PER_HEAD
 from splitmoe.attention_service.model.layers import linear, rms_norm
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence

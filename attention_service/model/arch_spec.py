@@ -1,0 +1,52 @@
+"""The choices the shared layers leave to an architecture: what attention_service/models/<arch>.py sets.
+
+Kinds are named by value, so this module imports no layer and every layer may import it; the
+layers map each kind to its code (attention_kinds.py for the attention classes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitmoe.modelfile.architectures import Architecture
+
+QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
+SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED = "none", "plain", "sigmoid_gated"
+# Multi-head attention with grouped KV heads (attention.py); multi-head latent attention (mla.py).
+ATTENTION_MHA, ATTENTION_MLA = "mha", "mla"
+
+_KINDS = {"qk_norm": (QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL),
+          "shared_expert": (SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED),
+          "attention": (ATTENTION_MHA, ATTENTION_MLA)}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    # What its files leave out that the expert service needs too: expert activation, metadata defaults.
+    architecture: Architecture
+    # q/k RMSNorm after projection: per head (Qwen3) or over the whole projection (OLMoE).
+    qk_norm: str = QK_NORM_NONE
+    # Biases on q/k/v (Qwen2): loaded and required.
+    qkv_bias: bool = False
+    # Interleaved (GPT-J) rope pairs: llama.cpp's converter permutes Llama/Mixtral q/k rows for it.
+    rope_interleaved: bool = False
+    shared_expert: str = SHARED_EXPERT_NONE
+    # The attention kind: its class loads the weights, declares the KV entries, computes a layer.
+    attention: str = ATTENTION_MHA
+    # Per-head learned logits joining each attention softmax (gpt-oss `attn_sinks.weight`).
+    attention_sinks: bool = False
+    # In each group of this many layers all but the last use `attention.sliding_window`
+    # (llama.cpp's swa pattern); 0: every layer attends to the whole context.
+    sliding_window_pattern: int = 0
+    # GGUF name of the norm before the FFN: `ffn_norm`, or gpt-oss's `post_attention_norm`.
+    ffn_norm: str = "ffn_norm"
+
+    def __post_init__(self) -> None:
+        for name, kinds in _KINDS.items():
+            if getattr(self, name) not in kinds:
+                raise ValueError(f"{self.gguf_arch}: {name} {getattr(self, name)!r}: want one of {', '.join(kinds)}")
+        if self.sliding_window_pattern < 0:
+            raise ValueError(f"{self.gguf_arch}: sliding_window_pattern must be >= 0")
+
+    @property
+    def gguf_arch(self) -> str:
+        return self.architecture.gguf_arch

@@ -1,0 +1,13 @@
+"""The attention class of each kind an ArchSpec names (arch_spec.py): each loads its layer's weights,
+declares its KV cache entries and computes a layer."""
+from __future__ import annotations
+
+from splitmoe.attention_service.model.arch_spec import ATTENTION_MHA, ATTENTION_MLA, ArchSpec
+from splitmoe.attention_service.model.attention import MultiHeadAttention
+from splitmoe.attention_service.model.mla import MultiLatentAttention
+
+ATTENTION_CLASSES = {ATTENTION_MHA: MultiHeadAttention, ATTENTION_MLA: MultiLatentAttention}
+
+
+def attention_class(spec: ArchSpec) -> type[MultiHeadAttention] | type[MultiLatentAttention]:
+    return ATTENTION_CLASSES[spec.attention]

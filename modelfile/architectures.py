@@ -1,0 +1,56 @@
+"""What each architecture's GGUF files leave to the code that reads them, for both services.
+
+llama.cpp fixes these per architecture in its C++, not in the file: the routed experts' activation
+(its graphs) and the values of metadata keys a file may omit (its hparams loader). They live here,
+below both services, because the expert service computes the experts and the attention service
+routes to them. Each entry names the file with the rest of its architecture, the attention side
+(attention_service/models/<arch>.py), whose ArchSpec names the entry back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI
+from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
+
+
+@dataclass(frozen=True)
+class Architecture:
+    gguf_arch: str
+    # The routed experts' act(gate, up) (kernels.moe.ACTIVATIONS).
+    expert_activation: str = ACT_SILU
+    # ModelConfig values for metadata keys the architecture's files may omit (by field name).
+    hparam_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def config(self, g: GGUFFile) -> ModelConfig:
+        return ModelConfig.from_gguf(g, self.hparam_defaults)
+
+
+# attention_service/models/qwen3moe.py
+QWEN3MOE = Architecture("qwen3moe", hparam_defaults={"expert_weights_norm": True})
+# attention_service/models/qwen2moe.py
+QWEN2MOE = Architecture("qwen2moe", hparam_defaults={"expert_weights_norm": False})
+# attention_service/models/mixtral.py. Softmax over all experts, then renormalised top-k: the same as
+# softmax over the top-k logits.
+MIXTRAL = Architecture("llama", hparam_defaults={"expert_weights_norm": True})
+# attention_service/models/olmoe.py
+OLMOE = Architecture("olmoe", hparam_defaults={"expert_weights_norm": False})
+# attention_service/models/deepseek2.py. llama.cpp's default for older V2/V2.5 files without the key:
+# softmax, not renormalised.
+DEEPSEEK2 = Architecture("deepseek2", hparam_defaults={"expert_weights_norm": False})
+# attention_service/models/gpt_oss.py. Clamped SwiGLU experts (their biases are read wherever a file
+# has them), routed by a softmax over the top-k raw logits.
+GPT_OSS = Architecture("gpt-oss", expert_activation=ACT_SWIGLU_OAI,
+                       hparam_defaults={"expert_gating": GATING_SOFTMAX_WEIGHT, "expert_weights_norm": False})
+
+ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in (QWEN3MOE, QWEN2MOE, MIXTRAL, OLMOE, DEEPSEEK2,
+                                                                   GPT_OSS)}
+
+
+def architecture(gguf_arch: str) -> Architecture:
+    """The entry of `gguf_arch`, or the common case (SiLU experts, no defaults) for one not listed:
+    the expert service serves any file of the usual tensor layout; the attention side refuses
+    architectures it has no ArchSpec for."""
+    return ARCHITECTURES.get(gguf_arch) or Architecture(gguf_arch)
