@@ -24,8 +24,8 @@ from opentelemetry import trace
 from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
-from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.model.runner import dtype_name
+from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from splitmoe.attention_service.engine.engine import Engine
-from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
-from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts
-from splitmoe.attention_service.model.runner import ModelRunner, check_experts_per_token, dtype_name
-from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.reasoning import ReasoningFormat, detect_reasoning_format, output_text
 from splitmoe.attention_service.engine.request import GenerationRequest, OutputSink
 from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import Scheduler
+from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts
+from splitmoe.attention_service.model.runner import ModelRunner, check_experts_per_token, dtype_name
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.chat_template import ChatTemplate

@@ -12,13 +12,14 @@ real services (the time under "experts" is then the hop: post, wait, wake-up and
 """
 from __future__ import annotations
 
-import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 import argparse
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 
 
 class Timers:
@@ -127,7 +128,6 @@ def loaded(args):
     if args.expert_services:
         from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
         from splitmoe.modelfile.gguf_file import GGUFFile
-
         from splitmoe.runtime.cluster_auth import ClusterSecurity
         from splitmoe.runtime.settings import cluster_token
 

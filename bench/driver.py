@@ -12,8 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
-from splitmoe.bench.workload import (Prompts, StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s,
-                            prefill_tok_s)
+from splitmoe.bench.workload import Prompts, StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, prefill_tok_s
 
 # The moments `mark` is told about, in order.
 SINGLE_FIRST_TOKEN, SINGLE_END = "single_first_token", "single_end"

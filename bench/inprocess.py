@@ -29,8 +29,8 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
     import torch
 
     from splitmoe.attention_service.experts.backend import InProcessExperts
-    from splitmoe.attention_service.service import load_serving_model
     from splitmoe.attention_service.model.runner import DTYPES, RunnerOptions
+    from splitmoe.attention_service.service import load_serving_model
     from splitmoe.attention_service.settings import AttentionSettings
 
     previous_threads = torch.get_num_threads()

@@ -13,14 +13,15 @@ against kernels.moe.moe_forward.
 """
 from __future__ import annotations
 
-import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 import argparse
 import time
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 from splitmoe.kernels import native
 from splitmoe.kernels.moe import ExpertFFN, moe_forward
 from splitmoe.kernels.quants import QuantTensor, dequantize

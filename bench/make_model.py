@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType as T, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.demo_model import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, byte_level_vocab
 

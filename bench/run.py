@@ -49,8 +49,8 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     """Every figure, as the JSON that `--json` writes; see report.table for the printed form."""
     from splitmoe.bench.ceiling import ExpertBytes, ceiling_tok_s, dense_bytes_per_token, read_bandwidth_gb_s
     from splitmoe.bench.services import ServicesOptions, run_services
-    from splitmoe.modelfile.gguf_file import GGUFFile
     from splitmoe.local_stack import make_run_dir
+    from splitmoe.modelfile.gguf_file import GGUFFile
 
     started = time.perf_counter()
     s, w = settings, settings.workload

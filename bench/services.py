@@ -48,8 +48,8 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
                  say: Callable[[str], None]) -> ServicesResult:
     """Start the stack, measure, stop it. Raises ServiceFailed (a service died; its log quoted)
     or KeyboardInterrupt (Ctrl-C, which the supervisor catches while its children run)."""
-    from splitmoe.runtime.cluster_auth import ClusterSecurity
     from splitmoe.local_stack import UpSettings, split_threads
+    from splitmoe.runtime.cluster_auth import ClusterSecurity
     from splitmoe.supervisor import StopRequested, Supervisor
 
     settings = UpSettings(model_path=model_path, num_expert_services=options.expert_services,
@@ -101,7 +101,6 @@ async def _drive(supervisor, address: str, security, workload: Workload, prompts
                  say: Callable[[str], None]) -> tuple[Measured, HopOverhead | None]:
     from splitmoe.gateway.attention_client import AttentionClient
     from splitmoe.gateway.settings import GatewaySettings
-
     from splitmoe.proto.attention_pb2_grpc import AttentionServiceStub
 
     client = AttentionClient(GatewaySettings(attention_address=address, request_timeout_s=options.request_timeout_s,

@@ -16,7 +16,6 @@ next as two pipelined halves (micro_batches=2), alternating, so that drift hits 
 """
 from __future__ import annotations
 
-import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 import argparse
 import json
 import os
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 
 REPO = Path(__file__).resolve().parents[1]
 HIDDEN = 2048

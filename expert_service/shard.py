@@ -20,7 +20,14 @@ import torch
 from splitmoe.expert_service.native_hops import NativeHops
 from splitmoe.kernels import native
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, ExpertTokenCounts, expert_count, format_ranges, moe_layers
+from splitmoe.modelfile.experts import (
+    ExpertKey,
+    ExpertShard,
+    ExpertTokenCounts,
+    expert_count,
+    format_ranges,
+    moe_layers,
+)
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

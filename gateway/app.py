@@ -31,7 +31,12 @@ from splitmoe.gateway.handlers.ops import OpsHandler
 from splitmoe.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from splitmoe.gateway.middleware import PROBE_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
 from splitmoe.gateway.openai_types import (
-    ChatCompletionRequest, CompletionRequest, ErrorResponse, SamplingRequest, error_response, validation_error,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    SamplingRequest,
+    error_response,
+    validation_error,
 )
 from splitmoe.gateway.request_id import RequestId, RequestIdMiddleware, error_json
 from splitmoe.gateway.settings import GatewaySettings

@@ -16,8 +16,18 @@ from typing import TypeVar
 import grpc
 
 from splitmoe.gateway.attention_types import (
-    AttentionStats, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, Prompt, ScoreParams, ScoreResult,
-    TokenLogprob, TopLogprob, Usage,
+    AttentionStats,
+    ExpertTokens,
+    GenerateChunk,
+    GenerateParams,
+    HopStats,
+    ModelInfo,
+    Prompt,
+    ScoreParams,
+    ScoreResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
 )
 from splitmoe.gateway.settings import GatewaySettings
 from splitmoe.proto import attention_pb2 as pb

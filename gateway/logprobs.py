@@ -5,7 +5,10 @@ from collections.abc import Sequence
 
 from splitmoe.gateway.attention_types import TokenLogprob, TopLogprob
 from splitmoe.gateway.openai_types import (
-    ChatChoiceLogprobs, ChatCompletionLogProb, ChatCompletionLogProbsContent, CompletionLogprobs,
+    ChatChoiceLogprobs,
+    ChatCompletionLogProb,
+    ChatCompletionLogProbsContent,
+    CompletionLogprobs,
 )
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps to the same value

@@ -407,11 +407,15 @@ class ChatResponseMessage(BaseModel):
     refusal: str | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatChoiceBase(BaseModel):
+    """What a chat choice carries whether it is whole or a stream's delta."""
     index: int
-    message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+
+
+class ChatCompletionChoice(ChatChoiceBase):
+    message: ChatResponseMessage
 
 
 class ChatCompletionResponse(ChoicesBody[ChatCompletionChoice]):
@@ -430,11 +434,8 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
+class ChatCompletionStreamChoice(ChatChoiceBase):
     delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
 
 
 class ChatCompletionChunk(ChoicesBody[ChatCompletionStreamChoice]):

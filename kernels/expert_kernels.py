@@ -27,11 +27,11 @@ from typing import Mapping
 
 import torch
 
-from splitmoe.kernels import int4pack
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.int4pack import Int4Expert
 from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
-from splitmoe.kernels.quants import QuantTensor, dequantize as ref_dequantize
+from splitmoe.kernels.quants import QuantTensor
+from splitmoe.kernels.quants import dequantize as ref_dequantize
 
 try:
     from splitmoe.kernels import native

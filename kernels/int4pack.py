@@ -23,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.moe import ExpertFFN
 from splitmoe.kernels.quants import QuantTensor

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from splitmoe.kernels.quants import QuantTensor, dequantize
 
-
 # The gated activation between up/gate and down: act(gate, up) -> [n, ffn].
 ACT_SILU = "silu"  # silu(gate) * up: Qwen, Mixtral, OLMoE, DeepSeek
 ACT_SWIGLU_OAI = "swiglu_oai"  # gpt-oss's clamped SwiGLU (llama.cpp's swiglu_oai)

@@ -26,7 +26,8 @@ from typing import Mapping
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.quants import QuantTensor
 
@@ -84,7 +85,7 @@ class _Expert(ctypes.Structure):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    P, I, Z, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int64
+    P, I, Z, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_int64  # noqa: E741 (C-style type letters)
     for name, res, args in [
         ("smk_isa", ctypes.c_char_p, []),
         ("smk_best_isa", ctypes.c_char_p, []),

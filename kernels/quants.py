@@ -12,7 +12,8 @@ from typing import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 
 class UnsupportedQuantType(ValueError):

@@ -19,6 +19,7 @@ import torch
 from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient
 from splitmoe.attention_service.server import serve as serve_attention
 from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options
+from splitmoe.cli import main
 from splitmoe.expert_service.server import ExpertServer
 from splitmoe.expert_service.settings import ExpertServiceSettings
 from splitmoe.expert_service.shard import HostedShard
@@ -26,7 +27,6 @@ from splitmoe.gateway.attention_client import AttentionClient, AttentionError
 from splitmoe.gateway.settings import GatewaySettings
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
-from splitmoe.cli import main
 from splitmoe.runtime.cluster_auth import ClusterSecurity, is_loopback
 from tests.support.processes import CLUSTER, free_port, wait_grpc_serving
 from tests.support.tls import make_pki

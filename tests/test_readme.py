@@ -66,3 +66,27 @@ def test_the_curl_example_names_the_demo_models_served_name(tmp_path):
 
     model = re.search(r'"model": "([^"]+)"', BLOCKS[1]).group(1)
     assert model == demo_model_path(tmp_path).stem  # what `up` serves it as
+
+
+def layout_names() -> list[tuple[str, str]]:
+    """(top-level folder, name) for every file or folder the layout section names."""
+    section = README.split("## Layout: the data path by file name", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    names, top = [], None
+    for line in block.splitlines():
+        if not line.startswith(" "):
+            top = line.split()[0].rstrip("/")
+        for name in re.findall(r"[\w./]*\w\.(?:py|proto|md)\b|\b\w+/", line):
+            names.append((top, name))
+    return names
+
+
+def test_every_path_in_the_layout_exists():
+    names = layout_names()
+    assert len(names) > 80 and {top for top, _ in names} >= {"gateway", "attention_service", "expert_service"}
+    missing = []
+    for top, name in names:
+        under = [p.relative_to(REPO).as_posix() + ("/" if p.is_dir() else "") for p in (REPO / top).rglob("*")]
+        if not (REPO / name).exists() and not any(f"/{path}".endswith(f"/{name}") for path in under):
+            missing.append(f"{top}: {name}")
+    assert not missing

@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 from opentelemetry import trace
 
-from splitmoe.attention_service.model.runner import ModelRunner
-from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
 from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
+from splitmoe.attention_service.model.runner import ModelRunner
+from splitmoe.attention_service.model.sequence import Sequence
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("splitmoe.attention.engine")

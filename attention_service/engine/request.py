@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.reasoning import OutputText
 from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
+from splitmoe.attention_service.model.sequence import Sequence
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.engine.request import GenerationRequest
+from splitmoe.attention_service.model.block_manager import BlockManager
 
 
 class QueueFull(RuntimeError):

@@ -20,10 +20,10 @@ from typing import Callable
 import grpc
 import torch
 
-from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.attention_service.experts.backend import HopStats
 from splitmoe.attention_service.experts.grpc_link import GrpcLink
 from splitmoe.attention_service.experts.links import HopFailed, Link, Reply, Ticket
+from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.attention_service.experts.shm_link import ShmLink
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
@@ -49,7 +49,7 @@ class HopCounters:
     num_hops: int = 0
     hop_s: float = 0.0
     compute_s: float = 0.0     # as reported by the service
-    overhead_s: float = 0.0    # see expert_transport.Reply.overhead_s
+    overhead_s: float = 0.0    # see links.Reply.overhead_s
     sent_bytes: int = 0        # tensor payload written to the wire or to shared memory
     received_bytes: int = 0
     recent_overhead_s: array = field(default_factory=lambda: array("d"))  # a ring of the last hops'

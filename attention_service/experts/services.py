@@ -20,10 +20,14 @@ import grpc
 import torch
 
 from splitmoe.attention_service.experts.backend import HopStats, ServiceHealth
-from splitmoe.attention_service.experts.placement import (ExpertsUnavailable, Placement, ServiceShard,
-                                                          assign_empty_services, format_keys)
-from splitmoe.attention_service.experts.service_client import (ConnectionSettings, ExpertServiceClient, Hop,
-                                                               HopFailed)
+from splitmoe.attention_service.experts.placement import (
+    ExpertsUnavailable,
+    Placement,
+    ServiceShard,
+    assign_empty_services,
+    format_keys,
+)
+from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient, Hop, HopFailed
 from splitmoe.attention_service.experts.split import OwnerTable, ServicePart, split_by_service
 from splitmoe.modelfile.experts import ExpertKey, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile

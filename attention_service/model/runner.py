@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
-from splitmoe.attention_service.model.sequence import Sequence
-from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.model.kv_cache import KVCache
-from splitmoe.attention_service.models import arch_spec
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.attention_service.model.weights import load_weights
+from splitmoe.attention_service.models import arch_spec
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

@@ -8,8 +8,14 @@ from splitmoe.gateway.handlers.base import Generation, GenerationHandler
 from splitmoe.gateway.logprobs import chat_logprobs
 from splitmoe.gateway.metrics import RequestTimer
 from splitmoe.gateway.openai_types import (
-    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatResponseMessage, DeltaMessage, UsageInfo,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
 )
 from splitmoe.gateway.streams import ChoiceState, open_streams
 

@@ -10,7 +10,11 @@ from splitmoe.gateway.handlers.base import Generation, GenerationHandler
 from splitmoe.gateway.logprobs import completion_logprobs, join_logprobs, text_length
 from splitmoe.gateway.metrics import RequestTimer
 from splitmoe.gateway.openai_types import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
 )
 from splitmoe.gateway.streams import ChoiceState, open_streams
 

@@ -76,11 +76,11 @@ def run_make_model(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     from splitmoe.bench.report import context_lines, table
-    from splitmoe.bench.run import BenchSettings, run_bench as bench, write_json
+    from splitmoe.bench.run import BenchSettings, write_json
+    from splitmoe.bench.run import run_bench as bench
     from splitmoe.bench.workload import Workload
-    from splitmoe.runtime.topology import usable_cpus
+    from splitmoe.runtime.topology import numa_nodes, usable_cpus
     from splitmoe.supervisor import ServiceFailed
-    from splitmoe.runtime.topology import numa_nodes
 
     sweep = tuple(n for n in (2, 4, 8) if n < args.streams) if args.plot else ()
     workload = Workload(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, streams=args.streams,

@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING
 
 from splitmoe.commands.cluster_flags import add_api_key_flags, api_key
 from splitmoe.commands.serve_attention import add_serving_options, serving_options_argv
-from splitmoe.local_stack import (UpSettings, attention_spec, expert_count_of, expert_ranges, expert_specs,
-                                  gateway_spec, make_run_dir)
+from splitmoe.local_stack import (
+    UpSettings,
+    attention_spec,
+    expert_count_of,
+    expert_ranges,
+    expert_specs,
+    gateway_spec,
+    make_run_dir,
+)
 from splitmoe.runtime.settings import new_cluster_token
 
 if TYPE_CHECKING:

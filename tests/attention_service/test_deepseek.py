@@ -23,14 +23,14 @@ import torch
 
 from splitmoe.attention_service.model import transformer
 from splitmoe.attention_service.model.mla import LATENT_ENTRY
+from splitmoe.attention_service.model.routing import route
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
-from splitmoe.attention_service.model.routing import route
-from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from splitmoe.cli import main
+from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from tests.support.cpu_paths import PATHS, forced_path
-from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids
 from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
+from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids
 from tests.support.hf_to_gguf import F32, Q8_0, convert
 
 ARCHS = ["deepseek2", "deepseek3"]

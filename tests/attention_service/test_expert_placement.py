@@ -1,9 +1,15 @@
 """attention_service/experts/placement.py: shard assignment, coverage and failover order (no I/O)."""
 import pytest
-import torch
 
-from splitmoe.attention_service.experts.placement import (NO_OWNER, ExpertsUnavailable, Placement, ServiceShard,
-                                                assign_empty_services, format_ranges, split_evenly)
+from splitmoe.attention_service.experts.placement import (
+    NO_OWNER,
+    ExpertsUnavailable,
+    Placement,
+    ServiceShard,
+    assign_empty_services,
+    format_ranges,
+    split_evenly,
+)
 from splitmoe.modelfile.experts import ExpertKey
 
 LAYERS = (0, 1, 2)
@@ -46,7 +52,7 @@ def test_missing_experts_fail_in_one_line():
 
 def test_layers_outside_the_placement_are_ignored():
     p = Placement.build([shard("a", (0, 1, 2, 3), range(2))], (1, 3), 2)
-    assert set(p.replicas) == {ExpertKey(l, e) for l in (1, 3) for e in range(2)}
+    assert set(p.replicas) == {ExpertKey(layer, e) for layer in (1, 3) for e in range(2)}
 
 
 def test_replicas_take_turns_by_layer_and_cover_for_each_other():

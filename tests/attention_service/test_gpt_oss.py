@@ -20,8 +20,8 @@ import torch
 from splitmoe.attention_service.model import transformer
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
-from splitmoe.kernels.moe import SWIGLU_OAI_LIMIT
 from splitmoe.cli import main
+from splitmoe.kernels.moe import SWIGLU_OAI_LIMIT
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.hf_reference import NEAR_TIE, build_model, hf_logits, max_abs, rel_l2, routing_flips
 from tests.support.hf_to_gguf import Q8_0, convert

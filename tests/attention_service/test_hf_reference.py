@@ -18,8 +18,17 @@ import pytest
 import torch
 
 from splitmoe.attention_service.model import transformer
-from tests.support.hf_reference import (NEAR_TIE, VOCAB, build_model, hf_logits, max_abs, rel_l2, routing_flips,
-                                        splitmoe_logits, token_ids)
+from tests.support.hf_reference import (
+    NEAR_TIE,
+    VOCAB,
+    build_model,
+    hf_logits,
+    max_abs,
+    rel_l2,
+    routing_flips,
+    splitmoe_logits,
+    token_ids,
+)
 from tests.support.hf_to_gguf import F32, Q8_0, convert
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=16,

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.experts.backend import InProcessExperts
+from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.settings import AttentionSettings
-from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.demo_model import DemoShape, write_demo_model
+from splitmoe.modelfile.gguf_file import GGUFFile
 
 PROMPTS = [[5, 17, 30, 42, 7, 99], [250, 3, 11], [64, 128, 200, 271, 0, 1, 2, 9, 40], [33, 34],
            [7, 7, 7, 7, 7], [100, 101, 102]]

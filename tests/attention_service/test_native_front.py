@@ -12,7 +12,6 @@ the torch path is.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -5,21 +5,21 @@ import queue
 import pytest
 import torch
 
-from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.engine.engine import Engine
-from splitmoe.attention_service.model.runner import RunnerOptions
-from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.reasoning import HARMONY_MARKERS, TextDelta, detect_reasoning_format, output_text
 from splitmoe.attention_service.engine.request import GenerationRequest
 from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import Scheduler
+from splitmoe.attention_service.model.block_manager import BlockManager
+from splitmoe.attention_service.model.runner import RunnerOptions
+from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.service import load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.cli import build_parser
+from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab
 from splitmoe.modelfile.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
-from splitmoe.cli import build_parser
-from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab
 from tests.support.harmony_model import write_harmony_demo_model
 from tests.support.processes import cluster_channel, free_port, grpc_service
 

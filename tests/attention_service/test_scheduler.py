@@ -1,8 +1,8 @@
 """Continuous batching decisions, with no model: chunked prefill, decodes first, preemption."""
-from splitmoe.attention_service.model.block_manager import BlockManager
-from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.engine.request import GenerationRequest
 from splitmoe.attention_service.engine.scheduler import Scheduler
+from splitmoe.attention_service.model.block_manager import BlockManager
+from splitmoe.attention_service.model.sequence import Sequence
 
 
 def request(seq_id, num_tokens):

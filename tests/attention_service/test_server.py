@@ -11,8 +11,13 @@ from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
-from tests.support.processes import (assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
-                                    stranger_channel)
+from tests.support.processes import (
+    assert_refused_but_probes_pass,
+    cluster_channel,
+    free_port,
+    grpc_service,
+    stranger_channel,
+)
 
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
 

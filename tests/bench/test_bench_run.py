@@ -17,7 +17,14 @@ from splitmoe.bench.ceiling import ExpertBytes, RecordingExperts, ceiling_tok_s
 from splitmoe.bench.llamacpp import available as llamacpp_available
 from splitmoe.bench.report import add_ratios, table
 from splitmoe.bench.services import hop_overhead
-from splitmoe.bench.workload import StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, make_prompts, normal_token_ids
+from splitmoe.bench.workload import (
+    StreamTimes,
+    Workload,
+    aggregate_decode_tok_s,
+    decode_tok_s,
+    make_prompts,
+    normal_token_ids,
+)
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.runtime.topology import numa_nodes
 from tests.support.processes import run_splitmoe

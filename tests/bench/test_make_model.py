@@ -10,10 +10,10 @@ from gguf import GGMLQuantizationType as T
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.bench.make_model import SHAPES, TensorSpec, make_tensor, plan, use_more_bits, write_model
+from splitmoe.cli import main
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.tokenizer import Tokenizer
-from splitmoe.cli import main
 
 VOCAB = 1024
 # 1-layer files: use_more_bits(0, 1) holds, so Q4_K_M's ffn_down/attn_v are Q6_K.

@@ -16,8 +16,16 @@ from splitmoe.modelfile.experts import ExpertKey, ExpertShard
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import codec, doorbell, expert_pb2, expert_pb2_grpc
 from splitmoe.proto.shm import ShmRegion
-from tests.support.processes import (CLUSTER, assert_refused_but_probes_pass, cluster_channel, free_port, grpc_service,
-                                    spawn, stranger_channel, wait_grpc_serving)
+from tests.support.processes import (
+    CLUSTER,
+    assert_refused_but_probes_pass,
+    cluster_channel,
+    free_port,
+    grpc_service,
+    spawn,
+    stranger_channel,
+    wait_grpc_serving,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 HIDDEN = 64
@@ -248,7 +256,7 @@ def test_unassigned_service_loads_a_shard_and_counts_its_tokens(unassigned):
     finally:
         stream.close()
     stats = unassigned.GetStats(expert_pb2.StatsRequest(), timeout=10)
-    counts = {ExpertKey(l, e): n for l, e, n in zip(stats.layers, stats.experts, stats.tokens)}
+    counts = {ExpertKey(layer, e): n for layer, e, n in zip(stats.layers, stats.experts, stats.tokens)}
     sent = torch.bincount(ids[ids >= 0].reshape(-1), minlength=8)
     assert counts == {ExpertKey(1, e): int(sent[e]) for e in (2, 3, 4)}
     assert stats.num_requests == 1 and stats.compute_s_total > 0

@@ -13,7 +13,13 @@ import openai
 import pytest
 
 from tests.support.gateway_http import (
-    GatewayStack, assert_openai_error, gateway_over_attention, metric, running_gateway, sse_chunks, wait_http,
+    GatewayStack,
+    assert_openai_error,
+    gateway_over_attention,
+    metric,
+    running_gateway,
+    sse_chunks,
+    wait_http,
     wait_until_idle,
 )
 

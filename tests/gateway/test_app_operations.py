@@ -19,11 +19,16 @@ import openai
 import pytest
 
 from splitmoe.demo_model import DemoShape
+from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from tests.support.expert_services import ExpertServices
 from tests.support.gateway_http import (
-    assert_openai_error, metric, running_gateway, samples, wait_http, wait_until_idle,
+    assert_openai_error,
+    metric,
+    running_gateway,
+    samples,
+    wait_http,
+    wait_until_idle,
 )
-from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from tests.support.processes import cluster_channel, free_port, spawn, stop
 
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf

@@ -9,11 +9,27 @@ import grpc
 import pytest
 
 from splitmoe.gateway.attention_client import (
-    AttentionError, chunk_of, generate_request, model_info_of, score_request, score_result_of, stats_of,
+    AttentionError,
+    chunk_of,
+    generate_request,
+    model_info_of,
+    score_request,
+    score_result_of,
+    stats_of,
 )
 from splitmoe.gateway.attention_types import (
-    ChatPrompt, ChatTurn, ExpertTokens, GenerateChunk, GenerateParams, HopStats, ModelInfo, ScoreParams,
-    ScoreResult, TokenLogprob, TopLogprob, Usage,
+    ChatPrompt,
+    ChatTurn,
+    ExpertTokens,
+    GenerateChunk,
+    GenerateParams,
+    HopStats,
+    ModelInfo,
+    ScoreParams,
+    ScoreResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
 )
 from splitmoe.gateway.openai_types import error_response
 from splitmoe.proto import attention_pb2 as pb

@@ -17,7 +17,11 @@ import pytest
 
 from splitmoe.gateway.openai_types import ERROR_TYPES, INT32_MAX, INT64_MAX
 from tests.support.gateway_http import (
-    GatewayStack, assert_openai_error, gateway_over_attention, running_gateway, sse_events,
+    GatewayStack,
+    assert_openai_error,
+    gateway_over_attention,
+    running_gateway,
+    sse_events,
 )
 from tests.support.gguf_edit import rewrite_gguf
 

@@ -7,7 +7,14 @@ from pydantic import ValidationError
 
 from splitmoe.gateway.attention_types import ChatPrompt, ChatTurn
 from splitmoe.gateway.openai_types import (
-    INT32_MAX, INT64_MAX, MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, CompletionRequest, UnknownFieldLog, error_response,
+    INT32_MAX,
+    INT64_MAX,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnknownFieldLog,
+    error_response,
     validation_error,
 )
 from splitmoe.proto import attention_pb2 as pb

@@ -15,12 +15,13 @@ import functools
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
 from splitmoe.kernels.expert_kernels import FastMoELayer
-from splitmoe.kernels.int4pack import repack_expert
+from splitmoe.kernels.int4pack import can_repack, repack_expert
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_moe import Float64FFN
@@ -108,7 +109,7 @@ def layer_for(route: str, experts, **kw) -> FastMoELayer:
         return FastMoELayer(experts, NUM_EXPERTS, native_max_tokens=BIG, **kw)
     if route == "dense_native":  # prefill with native dequantization
         return FastMoELayer(experts, NUM_EXPERTS, native_max_tokens=0, **kw)
-    int4 = {e: repack_expert(f) for e, f in experts.items() if ek.int4pack.can_repack(f)}
+    int4 = {e: repack_expert(f) for e, f in experts.items() if can_repack(f)}
     if route == "int4":
         return FastMoELayer(experts, NUM_EXPERTS, int4=int4, use_native=False, int4_max_tokens=BIG, **kw)
     if route == "dense":

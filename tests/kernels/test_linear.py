@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 import splitmoe.kernels.linear as kl
 from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV

@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T, quants as gq
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
 
-from splitmoe.kernels.moe import (ACT_SILU, ACT_SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ExpertFFN,
-                         moe_forward)
+from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ExpertFFN, moe_forward
 from splitmoe.kernels.quants import QuantTensor, dequantize
 
 HIDDEN, FFN, NUM_EXPERTS, TOP_K, NUM_TOKENS = 64, 32, 6, 2, 40

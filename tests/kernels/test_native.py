@@ -17,11 +17,13 @@ import logging
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels import native
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
-from splitmoe.kernels.quants import QuantTensor, dequantize as ref_dequantize
+from splitmoe.kernels.quants import QuantTensor
+from splitmoe.kernels.quants import dequantize as ref_dequantize
 from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, random_blocks
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")

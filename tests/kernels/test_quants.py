@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFReader, quants as gq
+from gguf import GGML_QUANT_SIZES, GGUFReader
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
 
 from splitmoe.kernels.quants import QuantTensor, UnsupportedQuantType, dequantize, supported_types
 

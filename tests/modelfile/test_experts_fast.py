@@ -11,14 +11,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
+from splitmoe.demo_model import DemoShape, write_demo_model
 from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels import repack_cache
-from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.kernels.moe import moe_forward
+from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile import experts as experts_mod
 from splitmoe.modelfile.experts import ExpertShard, load_layer_experts
 from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.demo_model import DemoShape, write_demo_model
 from tests.support.gguf_edit import rewrite_gguf
 
 NATIVE = pytest.mark.skipif(not ek.native_available(), reason=f"native kernels: {ek.native_unavailable_reason()}")

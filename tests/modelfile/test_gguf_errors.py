@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.cli import main
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.support.gguf_edit import rewrite_gguf
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 
 from splitmoe.attention_service.engine.reasoning import HARMONY_MARKERS
-from splitmoe.modelfile.tokenizer import CONTROL, NORMAL
 from splitmoe.demo_model import MERGES, SPECIAL_TOKENS, byte_level_vocab, write_demo_model
+from splitmoe.modelfile.tokenizer import CONTROL, NORMAL
 from tests.support.gguf_edit import rewrite_gguf
 
 

@@ -3,7 +3,7 @@
 The transport seam: in-process, gRPC and shared memory give the same logits (demo model, and
 the llama.cpp qwen2moe fixture when present). Then placement: only routed rows are sent, token
 counts, local layers, services started empty, startup errors, and a replica killed mid-request.
-One service's deadlines and reconnects are in test_expert_service_client.py.
+One service's deadlines and reconnects are in test_service_client.py.
 """
 import dataclasses
 import os

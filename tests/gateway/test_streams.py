@@ -4,16 +4,21 @@ import json
 
 import pytest
 from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk as OpenAIChunk
+from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 
 from splitmoe.gateway.admission import Admission, Refused
 from splitmoe.gateway.attention_client import AttentionError
 from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, TokenLogprob, TopLogprob, Usage
-from splitmoe.gateway.openai_types import (
-    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionStreamChoice, DeltaMessage, UsageInfo,
-)
 from splitmoe.gateway.handlers.chat import ChatHandler
 from splitmoe.gateway.logprobs import chat_logprobs, completion_logprobs
+from splitmoe.gateway.openai_types import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
 from splitmoe.gateway.sse import SSE_DONE, sse_line, sse_stream
 from splitmoe.gateway.streams import ChoiceState, OpenStream, merge, open_streams, total_usage
 

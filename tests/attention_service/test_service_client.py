@@ -10,10 +10,15 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.remote import ExpertRequestError, ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.experts.remote import (
+    ExpertRequestError,
+    ExpertsUnavailable,
+    RemoteExperts,
+    RemoteExpertsSettings,
+)
 from splitmoe.modelfile.gguf_file import GGUFFile
-from tests.support.expert_services import ExpertServices
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
+from tests.support.expert_services import ExpertServices
 from tests.support.processes import CLUSTER, cluster_channel
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
