@@ -1,11 +1,12 @@
 """The IQ formats' codebooks: llama.cpp's grids (ggml-common.h) in a compact form, decoded once.
 
 ggml-common.h spells each grid as uint64/uint32 words whose bytes are the entry's values; written out
-that way the six grids are ~60 KB of source. Every grid uses at most 8 distinct byte values, so here
-each entry value is its index into the grid's value map (2 or 3 bits, packed LSB-first, as hex) --
-the same compact form gguf-py uses -- and `grid()` rebuilds the byte table once per process.
-A test checks every table against gguf-py's decoding, and ksigns against its literal table.
-Kept apart from quants.py so the formats stay readable and other kernels can use the same tables.
+that way the six grids are ~85 KB of source. Every grid uses at most 8 distinct byte values, so here
+each value is its index into the grid's value map (2 bits, or 3 bits held in a nibble, packed
+LSB-first, as hex: the compact form gguf-py also uses), ~18 KB, and `grid()` rebuilds the byte
+table once per process (a few ms). Tests check every table against gguf-py's decoding and a few
+words against ggml-common.h. Kept apart from quants.py so the formats stay readable and other
+kernels (a native one's table upload, say) can take the same tables.
 """
 from __future__ import annotations
 

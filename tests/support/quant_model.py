@@ -52,7 +52,7 @@ def _set_scales(qtype: T, blocks: np.ndarray, d: np.ndarray) -> None:
 
 
 def _scales(qtype: T, blocks: np.ndarray) -> np.ndarray:
-    """The first fp16 scale of each block (the only one every type chosen here has)."""
+    """The first fp16 scale of each block (a second one, as Q4_K's dmin, was set equal to it)."""
     if qtype == T.IQ1_M:
         return iq1_m_d(blocks)
     off = FP16_FIELDS[qtype][0]
