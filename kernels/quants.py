@@ -15,6 +15,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from splitmoe.kernels import iq_grids
+
 
 class UnsupportedQuantType(ValueError):
     pass
@@ -258,3 +260,196 @@ def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     q = _E2M1_X2[_nibbles(blocks[:, 1:17]).long()]
     return q * _e8m0_half(blocks[:, 0:1])
+
+
+# ---- ternary formats (TQ1_0, TQ2_0): values -1, 0, 1 times one fp16 scale per 256 ----------------
+
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+
+
+def _trits(packed: torch.Tensor, n_trits: int) -> torch.Tensor:
+    """TQ1_0's base-3 bytes -> [n, n_trits, bytes]: trit t of a byte is the top of (byte * 3**t)
+    mod 256 scaled by 3 (uint8 multiplication wraps, which is the encoding)."""
+    scaled = packed.unsqueeze(-2) * _POW3[:n_trits].view(-1, 1)
+    return ((scaled.to(torch.int32) * 3) >> 8) - 1
+
+
+@_register(T.TQ1_0)
+def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    # qs[48] | qh[4] | d: elements are trits of qs[0:32] (5 per byte, trit-major), then of
+    # qs[32:48], then 4 trits of each qh byte.
+    n = blocks.shape[0]
+    q = torch.cat((_trits(blocks[:, 0:32], 5).reshape(n, -1), _trits(blocks[:, 32:48], 5).reshape(n, -1),
+                   _trits(blocks[:, 48:52], 4).reshape(n, -1)), dim=1)
+    return _f16(blocks, 52) * q.float()
+
+
+@_register(T.TQ2_0)
+def _tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _crumbs256(blocks[:, 0:64]).reshape(blocks.shape[0], -1)
+    return _f16(blocks, 64) * (q.float() - 1)
+
+
+# ---- i-quants: codebook formats ------------------------------------------------------------------
+# Groups of 4 or 8 values are one index into a grid of llama.cpp's (kernels.iq_grids) with a sign
+# per value and a small scale per 16 or 32 values. Scales are formed in gguf-py's (and ggml's)
+# order, d * (sub-scale expression) first, so every float32 product rounds the same way.
+
+_KVALUES_IQ4NL = torch.tensor(iq_grids.KVALUES_IQ4NL, dtype=torch.float32)
+
+
+def _u16(blocks: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """`count` little-endian uint16 from byte `start`, as int32 [n, count] (non-negative)."""
+    return blocks[:, start : start + 2 * count].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _u32(blocks: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """`count` little-endian uint32 from byte `start`, as int64 [n, count] (non-negative)."""
+    return blocks[:, start : start + 4 * count].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _lo_hi(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k] -> [n, 2k]: each byte's low nibble, then its high nibble."""
+    return torch.stack((x & 0xF, x >> 4), dim=-1).reshape(x.shape[0], -1)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k] -> [n, 8k]: each byte's bits, LSB first."""
+    return ((x.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(x.shape[0], -1)
+
+
+def _minus(bits: torch.Tensor) -> torch.Tensor:
+    """Sign bits (1 = negative) as float32 +-1."""
+    return 1 - 2 * bits.float()
+
+
+def _ksigned(index7: torch.Tensor) -> torch.Tensor:
+    """[n, g] 7-bit ksigns indices -> float32 +-1 [n, g, 8]."""
+    signs = iq_grids.ksigns()[index7.long()]
+    return _minus((signs.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1)
+
+
+def _lookup(name: str, index: torch.Tensor) -> torch.Tensor:
+    return iq_grids.grid(name)[index.long()].float()
+
+
+def _half_scale(d: torch.Tensor, s: torch.Tensor, mult: float) -> torch.Tensor:
+    """d * (0.5 + s) * mult, the sub-block scale of IQ2_*/IQ3_XXS."""
+    return d * (0.5 + s.float()) * mult
+
+
+def _iq_xxs(blocks: torch.Tensor, name: str, mult: float) -> torch.Tensor:
+    """IQ2_XXS / IQ3_XXS: per 32 values, grid-index bytes (4 into an 8-wide grid, or 8 into a
+    4-wide one) and one uint32 holding four 7-bit ksigns indices and a 4-bit scale. IQ2_XXS
+    interleaves the two per 32 values; IQ3_XXS lists all indices first, then the uint32s."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    if name == "iq2xxs":
+        words = _u32(blocks, 2, 16).reshape(n, 8, 2)
+        idx, aux = blocks[:, 2:66].reshape(n, 8, 8)[:, :, 0:4], words[:, :, 1]
+    else:
+        idx, aux = blocks[:, 2:66].reshape(n, 8, 8), _u32(blocks, 66, 8)
+    db = _half_scale(d, aux >> 28, mult).reshape(n, 8, 1, 1)
+    signs = _ksigned((aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F)  # [n, 8, 4, 8]
+    grid = _lookup(name, idx).reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+@_register(T.IQ2_XXS)
+def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    return _iq_xxs(blocks, "iq2xxs", 0.25)
+
+
+@_register(T.IQ3_XXS)
+def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    return _iq_xxs(blocks, "iq3xxs", 0.5)
+
+
+@_register(T.IQ2_XS)
+def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # d | qs: 32 uint16 (9-bit grid index, 7-bit ksigns index) | 16 4-bit scales
+    n = blocks.shape[0]
+    qs = _u16(blocks, 2, 32)
+    db = _half_scale(_f16(blocks, 0), _lo_hi(blocks[:, 66:74]), 0.25).reshape(n, 16, 1, 1)
+    grid = _lookup("iq2xs", qs & 511).reshape(n, 16, 2, 8)
+    signs = _ksigned(qs >> 9).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+@_register(T.IQ2_S)
+def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    # d | qs[32] low index bytes | signs[32] | qh[8] 2-bit index tops | 16 4-bit scales
+    n = blocks.shape[0]
+    high = (blocks[:, 66:74].unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3
+    idx = blocks[:, 2:34].to(torch.int32) | (high.reshape(n, 32).to(torch.int32) << 8)
+    db = _half_scale(_f16(blocks, 0), _lo_hi(blocks[:, 74:82]), 0.25).reshape(n, 16, 1, 1)
+    grid = _lookup("iq2s", idx).reshape(n, 16, 2, 8)
+    signs = _minus(_bits(blocks[:, 34:66])).reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+@_register(T.IQ3_S)
+def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    # d | qs[64] low index bytes | qh[8] index top bits | signs[32] | 8 4-bit scales (odd, 1..31)
+    n = blocks.shape[0]
+    idx = blocks[:, 2:66].to(torch.int32) | (_bits(blocks[:, 66:74]).to(torch.int32) << 8)
+    db = (_f16(blocks, 0) * (1 + 2 * _lo_hi(blocks[:, 106:110]).float())).reshape(n, 8, 1, 1)
+    grid = _lookup("iq3s", idx).reshape(n, 8, 4, 8)
+    signs = _minus(_bits(blocks[:, 74:106])).reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+_IQ1_DELTA = 0.125
+
+
+def _iq1(dl: torch.Tensor, idx: torch.Tensor, negative_delta: torch.Tensor) -> torch.Tensor:
+    """dl * (grid + delta) with iq1s_grid entries of 8 and a +-1/8 shift per group; `dl` and
+    `negative_delta` broadcast against the [n, groups, 8] grid values."""
+    delta = torch.where(negative_delta.bool(), -_IQ1_DELTA, _IQ1_DELTA).float()
+    return dl * (_lookup("iq1s", idx) + delta)
+
+
+@_register(T.IQ1_S)
+def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    # d | qs[32] low index bytes | qh: 8 uint16, per 32 values: 4 3-bit index tops, a 3-bit
+    # scale, the delta's sign
+    n = blocks.shape[0]
+    qh = _u16(blocks, 34, 8)
+    high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7
+    idx = blocks[:, 2:34].to(torch.int32) | (high.reshape(n, 32) << 8)
+    dl = (_f16(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).float()).reshape(n, 8, 1, 1)
+    out = _iq1(dl, idx.reshape(n, 8, 4), (qh >> 15).reshape(n, 8, 1, 1))
+    return out.reshape(n, 256)
+
+
+@_register(T.IQ1_M)
+def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    # qs[32] low index bytes | qh[16]: per nibble a 3-bit index top and the delta's sign |
+    # 4 uint16: 3-bit scales per 16 values in bits 0-11, the fp16 d in the four top nibbles
+    n = blocks.shape[0]
+    sc = _u16(blocks, 48, 4)
+    d_bits = ((sc >> 12) << torch.tensor([0, 4, 8, 12])).sum(dim=1, keepdim=True)
+    d = d_bits.to(torch.int16).view(torch.float16).float()
+    scales = ((sc.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7).reshape(n, 16)
+    dl = (d * (2 * scales + 1).float()).reshape(n, 8, 2, 1, 1)
+    qh = _lo_hi(blocks[:, 32:48]).to(torch.int32)
+    idx = blocks[:, 0:32].to(torch.int32) | ((qh & 7) << 8)
+    out = _iq1(dl, idx.reshape(n, 8, 2, 2), (qh >> 3).reshape(n, 8, 2, 2, 1))
+    return out.reshape(n, 256)
+
+
+@_register(T.IQ4_NL)
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _KVALUES_IQ4NL[_nibbles(blocks[:, 2:18]).long()]
+
+
+@_register(T.IQ4_XS)
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # d | scales_h: uint16, 2 top bits per 32 values | scales_l: 8 low nibbles | qs[128], each
+    # 16 bytes the IQ4_NL nibble layout of 32 values; scales are 6-bit with a -32 bias
+    n = blocks.shape[0]
+    high = (_u16(blocks, 2, 1) >> torch.arange(0, 16, 2)) & 3
+    scales = (_lo_hi(blocks[:, 4:8]).to(torch.int32) | (high << 4)) - 32
+    dl = (_f16(blocks, 0) * scales.float()).reshape(n, 8, 1)
+    q = _nibbles(blocks[:, 8:136].reshape(n * 8, 16)).reshape(n, 8, 32)
+    return (dl * _KVALUES_IQ4NL[q.long()]).reshape(n, 256)

@@ -6,9 +6,11 @@ import sys
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.cli import build_parser
 from splitmoe.commands.serve_attention import SERVING_OPTIONS
+from splitmoe.kernels.quants import supported_types
 from tests.support.processes import REPO
 
 README = (REPO / "README.md").read_text()
@@ -90,3 +92,9 @@ def test_every_path_in_the_layout_exists():
         if not (REPO / name).exists() and not any(f"/{path}".endswith(f"/{name}") for path in under):
             missing.append(f"{top}: {name}")
     assert not missing
+
+
+def test_the_tensor_type_list_names_every_supported_type():
+    listed = re.search(r"Tensor types: ([A-Z0-9_,\s]+)\.", README)[1]
+    names = {name.strip() for name in listed.split(",")}
+    assert names == {T(t).name for t in supported_types()}

@@ -25,7 +25,8 @@ from splitmoe.kernels.int4pack import can_repack, repack_expert
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_moe import Float64FFN
-from tests.kernels.test_quants import FP16_FIELDS
+from tests.kernels.test_quants import FP16_FIELDS, IQ_TYPES
+from tests.support.quant_model import scaled_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4]
 INT4 = {T.Q4_0, T.Q4_1, T.Q4_K}
@@ -47,6 +48,10 @@ NATIVE = pytest.mark.skipif(not ek.native_available(), reason=f"native kernels: 
 def realistic_blocks(qtype: T, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
     """Random blocks (any bit pattern in the quants) whose dequantized values have std ~ 1/sqrt(k):
     the scale fields are rescaled after a first dequantization, as every format is linear in them."""
+    if qtype in IQ_TYPES:
+        raw = scaled_blocks(qtype, shape, rng, 1.0 / np.sqrt(shape[1]))
+        raw.flags.writeable = False
+        return raw
     elems, nbytes = GGML_QUANT_SIZES[qtype]
     n_blocks = shape[0] * shape[1] // elems
     blocks = rng.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
@@ -207,6 +212,43 @@ def test_q4_k_m_mix(route):
     hidden = torch.randn(12, D, generator=gen).bfloat16()
     ids, weights = routing(gen, 12, HOSTED)
     check(layer, experts, hidden, ids, weights, route_tol(route, layer))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
+def test_iq_types_on_every_route(qtype, route):
+    """Types the native library may lack: every route still computes them (dequantized by their
+    own routine where no kernel exists), decode-sized calls included."""
+    gen = torch.Generator().manual_seed(int(qtype))
+    experts = make_experts(qtype, int(qtype))
+    layer = layer_for(route, experts)
+    if not ek.native_available() or not ek.native.supports(int(qtype)):
+        assert layer.native_experts == 0 and not layer.int4
+    for num_tokens in (1, 12):
+        hidden = torch.randn(num_tokens, D, generator=gen).bfloat16()
+        ids, weights = routing(gen, num_tokens, HOSTED)
+        check(layer, experts, hidden, ids, weights, route_tol(route, layer))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_experts_of_mixed_types_each_take_their_own_path(route):
+    """In one layer: Q4_K experts (native or int4) beside experts whose gate and down types differ
+    (IQ2_XXS gate/up with IQ4_XS down; Q4_K gate/up with IQ3_S down: int4 gate/up, dense down)."""
+    gen = torch.Generator().manual_seed(10)
+    q4k = make_experts(T.Q4_K, 10, hosted=(0, 1))
+    iq = make_experts(T.IQ2_XXS, 11, down_type=T.IQ4_XS, hosted=(2,))
+    half = make_experts(T.Q4_K, 12, down_type=T.IQ3_S, hosted=(3,))
+    experts = {**q4k, **iq, **half}
+    layer = layer_for(route, experts)
+    native_types = ek.native_available() and route != "int4" and route != "dense"
+    if native_types and not ek.native.supports(int(T.IQ3_S)):
+        assert layer.native_experts == 2
+    if route == "int4":
+        assert set(layer.int4) == {0, 1, 3} and layer.int4[3].down is None
+    for num_tokens in (1, 12):
+        hidden = torch.randn(num_tokens, D, generator=gen).bfloat16()
+        ids, weights = routing(gen, num_tokens, HOSTED)
+        check(layer, experts, hidden, ids, weights, route_tol(route, layer))
 
 
 def test_float16_hidden_gives_float16():

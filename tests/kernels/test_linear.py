@@ -18,7 +18,7 @@ import splitmoe.kernels.linear as kl
 from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
 from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, linear
 from splitmoe.kernels.quants import QuantTensor, dequantize
-from tests.kernels.test_quants import random_blocks
+from tests.kernels.test_quants import IQ_TYPES, random_blocks
 
 NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 F32_EPS = 2.0 ** -24
@@ -131,6 +131,26 @@ def test_type_without_a_native_matmul_falls_back(native_module):
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     want, mag = exact(x, qt)
     assert ((lin(x).double() - want).abs() <= 2 * 256 * F32_EPS * mag + 1e-30).all()
+
+
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
+def test_iq_types_as_linears_and_embeddings(qtype, monkeypatch):
+    """With or without a native kernel for the type (and with no native library): each takes the
+    route its type has, within that route's bound, and an embedding gives the exact rows."""
+    monkeypatch.setenv(GEMM_DTYPE_ENV, "float32")
+    qt = quant_tensor(qtype, 32, 256, seed=int(qtype))
+    nat = kl.native()
+    native_matmul = nat is not None and nat.supports(int(qtype))
+    lin = QuantLinear(qt, dtype=torch.float32)
+    assert lin.route == ("native" if native_matmul else "dense")
+    for m in (1, kl.SMALL_BATCH_ROWS + 5):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        want, mag = exact(x, qt)
+        int8 = native_matmul and m <= kl.SMALL_BATCH_ROWS
+        bound = int8_bound(x, qt) * 1.01 + 1e-5 * mag if int8 else 2 * 256 * F32_EPS * mag
+        assert ((lin(x).double() - want).abs() <= bound + 1e-30).all()
+    ids = torch.tensor([[5, 0], [31, 5]])
+    assert torch.equal(QuantEmbedding(qt, torch.bfloat16)[ids], dequantize(qt)[ids])
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0], ids=lambda t: t.name)

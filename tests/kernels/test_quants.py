@@ -15,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
+from splitmoe.kernels import iq_grids
 from splitmoe.kernels.quants import QuantTensor, UnsupportedQuantType, dequantize, supported_types
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
@@ -34,7 +35,24 @@ FP16_FIELDS = {
     T.Q6_K: (208,),  # ql[128], qh[64], scales[16], d
     T.MXFP4: (),  # e (E8M0 byte), qs[16]
 }
+# The codebook and ternary formats (issue 13). IQ1_M has no fp16 field of its own: its d is
+# spread over the top nibbles of its four scale words (see `set_iq1_m_d`).
+IQ_FP16_FIELDS = {
+    T.TQ1_0: (52,),  # qs[48], qh[4], d
+    T.TQ2_0: (64,),  # qs[64], d
+    T.IQ2_XXS: (0,),  # d, qs[32] uint16
+    T.IQ2_XS: (0,),  # d, qs[32] uint16, scales[8]
+    T.IQ2_S: (0,),  # d, qs[32], signs[32], qh[8], scales[8]
+    T.IQ3_XXS: (0,),  # d, qs[64], scales_and_signs[32]
+    T.IQ3_S: (0,),  # d, qs[64], qh[8], signs[32], scales[4]
+    T.IQ1_S: (0,),  # d, qs[32], qh[8] uint16
+    T.IQ1_M: (),  # qs[32], qh[16], scales[4] uint16 (d in their top nibbles)
+    T.IQ4_NL: (0,),  # d, qs[16]
+    T.IQ4_XS: (0,),  # d, scales_h uint16, scales_l[4], qs[128]
+}
 BLOCK_TYPES = list(FP16_FIELDS)
+IQ_TYPES = list(IQ_FP16_FIELDS)
+FP16_FIELDS = FP16_FIELDS | IQ_FP16_FIELDS
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 
 
@@ -49,7 +67,26 @@ def random_blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator) ->
         blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if qtype == T.MXFP4:
         blocks[:, 0] = rng.integers(127 - 20, 127 + 20, n_blocks)
+    if qtype == T.IQ1_M:
+        set_iq1_m_d(blocks, rng.uniform(-1, 1, n_blocks) * 10.0 ** rng.uniform(-4, 1, n_blocks))
     return blocks.reshape(*shape[:-1], shape[-1] // elems * nbytes)
+
+
+def set_iq1_m_d(blocks: np.ndarray, d: np.ndarray) -> None:
+    """Write fp16 `d` into IQ1_M blocks [n, 56]: nibble i of its bits is the top nibble of
+    scale word i (bytes 48-55), whose low 12 bits (the 3-bit sub-scales) are kept."""
+    words = blocks[:, 48:56].copy().view(np.uint16)
+    bits = d.astype(np.float16).view(np.uint16)
+    for i in range(4):
+        words[:, i] = (words[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+    blocks[:, 48:56] = words.view(np.uint8)
+
+
+def iq1_m_d(blocks: np.ndarray) -> np.ndarray:
+    """The fp16 d of IQ1_M blocks [n, 56], as float32."""
+    words = blocks[:, 48:56].copy().view(np.uint16)
+    bits = sum((words[:, i] >> 12) << (4 * i) for i in range(4)).astype(np.uint16)
+    return bits.view(np.float16).astype(np.float32)
 
 
 def reference(raw: np.ndarray, qtype: T) -> np.ndarray:
@@ -65,10 +102,10 @@ def ours(raw: np.ndarray, qtype: T, shape: tuple[int, ...], name: str = "t") -> 
 
 
 def test_every_listed_block_type_is_supported():
-    assert {int(t) for t in BLOCK_TYPES + FLOAT_TYPES} == set(supported_types())
+    assert {int(t) for t in BLOCK_TYPES + IQ_TYPES + FLOAT_TYPES} == set(supported_types())
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + IQ_TYPES, ids=lambda t: t.name)
 def test_random_blocks_match_gguf_py(qtype):
     rng = np.random.default_rng(int(qtype))
     shape = (64, 2 * GGML_QUANT_SIZES[qtype][0])
@@ -76,7 +113,7 @@ def test_random_blocks_match_gguf_py(qtype):
     np.testing.assert_array_equal(ours(raw, qtype, shape), reference(raw, qtype))
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + IQ_TYPES, ids=lambda t: t.name)
 def test_expert_tensor_and_expert_slice(qtype):
     rng = np.random.default_rng(1000 + int(qtype))
     shape = (3, 5, 256)
@@ -163,7 +200,7 @@ def test_mxfp4_known_values():
     np.testing.assert_array_equal(got[2], row * 8)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ4_NL, T.Q8_K, T.TQ1_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_1, T.Q8_K], ids=lambda t: t.name)
 def test_unsupported_type_names_tensor_and_type(qtype):
     elems, nbytes = GGML_QUANT_SIZES[qtype]
     qt = QuantTensor("blk.3.ffn_down_exps.weight", int(qtype), (2, elems),
@@ -171,6 +208,38 @@ def test_unsupported_type_names_tensor_and_type(qtype):
     with pytest.raises(UnsupportedQuantType) as e:
         dequantize(qt)
     assert "blk.3.ffn_down_exps.weight" in str(e.value) and qtype.name in str(e.value)
+
+
+@pytest.mark.parametrize("name, cls", [("iq2xxs", gq.IQ2_XXS), ("iq2xs", gq.IQ2_XS), ("iq2s", gq.IQ2_S),
+                                       ("iq3xxs", gq.IQ3_XXS), ("iq3s", gq.IQ3_S), ("iq1s", gq.IQ1_S)])
+def test_iq_grids_match_gguf_py(name, cls):
+    cls.init_grid()
+    np.testing.assert_array_equal(iq_grids.grid(name).numpy().astype(np.float32), cls.grid.reshape(cls.grid_shape))
+
+
+def test_iq_grid_entries_from_ggml_common_h():
+    """A few words as ggml-common.h lists them: each uint64/uint32's bytes in memory order."""
+    def entry(name, i):
+        return bytes(iq_grids.grid(name)[i].to(torch.uint8).tolist())
+    assert entry("iq2xxs", 1) == (0x080808080808082B).to_bytes(8, "little")
+    assert entry("iq2xs", 511) == (0x2B2B2B2B2B2B2B2B).to_bytes(8, "little")
+    assert entry("iq3xxs", 0) == (0x04040404).to_bytes(4, "little")
+    assert entry("iq3s", 0) == (0x01010101).to_bytes(4, "little")
+    assert entry("iq1s", 1) == (0xFFFFFFFFFFFFFF01).to_bytes(8, "little")
+
+
+def test_ksigns_and_kvalues_match_gguf_py():
+    assert bytes(iq_grids.ksigns().tolist()) == gq.IQ2_XXS.ksigns
+    assert iq_grids.KVALUES_IQ4NL == gq.IQ4_NL.kvalues
+
+
+def test_iq4_nl_known_values():
+    """Nibble j of the 16 bytes is code j for the low halves and j+16 for the high ones."""
+    codes = np.arange(16, dtype=np.uint8)
+    block = np.concatenate([np.float16(0.5).reshape(1).view(np.uint8), codes | (codes[::-1] << 4)])
+    got = ours(block.reshape(1, 18), T.IQ4_NL, (1, 32))[0]
+    kv = np.array(iq_grids.KVALUES_IQ4NL, np.float32) * 0.5
+    np.testing.assert_array_equal(got, np.concatenate([kv, kv[::-1]]))
 
 
 def test_byte_count_mismatch_is_an_error():

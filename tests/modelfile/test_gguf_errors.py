@@ -69,17 +69,18 @@ def test_missing_tensor(demo_gguf, tmp_path, capsys):
 
 
 def test_unsupported_quant_type(demo_gguf, tmp_path, capsys):
-    path = tmp_path / "iq.gguf"
+    """Q8_1: ggml's intermediate activation type, which no model file stores."""
+    path = tmp_path / "q8_1.gguf"
 
-    def to_iq4_nl(name, data, qtype):
+    def to_q8_1(name, data, qtype):
         if name != "blk.0.attn_q.weight":
             return data, qtype
-        rows, cols = 64, 64  # IQ4_NL: 32 values in 18 bytes
-        return np.zeros((rows, cols // 32 * 18), dtype=np.uint8), GGMLQuantizationType.IQ4_NL
+        rows, cols = 64, 64  # Q8_1: 32 values in 40 bytes
+        return np.zeros((rows, cols // 32 * 40), dtype=np.uint8), GGMLQuantizationType.Q8_1
 
-    rewrite_gguf(demo_gguf, path, edit_tensor=to_iq4_nl)
+    rewrite_gguf(demo_gguf, path, edit_tensor=to_q8_1)
     line = logits_error(path, tmp_path, capsys)
-    assert "'blk.0.attn_q.weight'" in line and "IQ4_NL" in line
+    assert "'blk.0.attn_q.weight'" in line and "Q8_1" in line
 
 
 def test_bad_token_ids(demo_gguf, tmp_path, capsys):

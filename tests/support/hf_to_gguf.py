@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import gguf
 import numpy as np
@@ -46,12 +46,15 @@ _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q
 
 
 def convert(model: torch.nn.Module, path: str | PathLike, tensor_type: GGMLQuantizationType = F32, *,
-            per_expert_tensors: bool = False, tokenizer_from: str | PathLike | None = None) -> Path:
+            per_expert_tensors: bool = False, tokenizer_from: str | PathLike | None = None,
+            raw_tensors: Mapping[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None) -> Path:
     """Write `model` as a GGUF at `path` and return the path.
 
     tensor_type: F32, or Q8_0 for the matrices (norms, router and other 1-D tensors stay F32).
     per_expert_tensors: the old Mixtral layout, one 2-D tensor per expert (llama arch only).
     tokenizer_from: a GGUF whose `tokenizer.ggml.*` fields are copied; default a byte-level vocab.
+    raw_tensors: GGUF name -> (stored data, type) written as given instead of the model's tensor
+    (blocks of types no converter here makes, e.g. random IQ blocks: tests/support/quant_model.py).
     """
     arch = arch_of(model)
     if per_expert_tensors and arch != "llama":
@@ -70,7 +73,7 @@ def convert(model: torch.nn.Module, path: str | PathLike, tensor_type: GGMLQuant
     else:
         _write_byte_level_tokenizer(writer, int(hp["vocab_size"]))
     for name, tensor in gguf_tensors(model, per_expert_tensors).items():
-        data, raw_dtype = _encode(name, tensor, tensor_type)
+        data, raw_dtype = (raw_tensors or {}).get(name) or _encode(name, tensor, tensor_type)
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
