@@ -14,6 +14,7 @@ beside the parts is how a set gets mixed up, and the operator should know which 
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -27,6 +28,12 @@ _PART_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.ggu
 def part_name(prefix: str, index: int, count: int) -> str:
     """llama-gguf-split's name of part `index` (0-based) of `count`: numbered from 1 in the name."""
     return f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def model_stem(path: str | os.PathLike) -> str:
+    """The model's name from its file: the stem, without a split part's '-00001-of-00003'."""
+    match = _PART_NAME.match(Path(path).name)
+    return match["prefix"] if match else Path(path).stem
 
 
 def open_later_parts(first: GGUFPart) -> list[GGUFPart]:

@@ -159,6 +159,7 @@ def test_whole_stack_on_a_split_model_equals_generate_on_the_file(tmp_path):
     with running_stack(first, tmp_path) as stack:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
+        assert model_id == "gptoss-mxfp4_moe"  # the set's name: no "-00001-of-00003"
         reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "def norm(v):"}],
                                                max_tokens=12, temperature=0)
     reference = run_splitmoe("generate", str(model), "--prompt", "def norm(v):", "--chat", "-n", "12")

@@ -15,7 +15,7 @@ from gguf import GGUFReader, GGUFValueType
 
 from splitmoe.modelfile.experts import ExpertShard, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
-from splitmoe.modelfile.gguf_parts import part_name
+from splitmoe.modelfile.gguf_parts import model_stem, part_name
 from splitmoe.modelfile.gguf_split import split_gguf
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
@@ -82,6 +82,13 @@ def test_file_id_covers_every_part(demo_gguf, tmp_path):
     sizes = [p.stat().st_size for p in paths]
     assert GGUFFile(paths[0]).file_id == f"demo-00001-of-00003.gguf:{sizes[0]}+{sizes[1]}+{sizes[2]}"
     assert GGUFFile(demo_gguf).file_id == f"demo.gguf:{demo_gguf.stat().st_size}"  # unsplit: as before
+
+
+def test_model_stem_drops_the_part_number():
+    """What the services call the model when no name is given: the set's name, not its first file's."""
+    assert model_stem("/m/gpt-oss-120b-mxfp4-00001-of-00003.gguf") == "gpt-oss-120b-mxfp4"
+    assert model_stem("/m/Qwen3-30B-A3B-Q4_K_M.gguf") == "Qwen3-30B-A3B-Q4_K_M"
+    assert model_stem("/m/odd-1-of-3.gguf") == "odd-1-of-3"
 
 
 def test_expert_shard_views_the_parts_that_hold_its_experts(demo_gguf, tmp_path):
