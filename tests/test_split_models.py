@@ -6,6 +6,10 @@ The loader's own checks are in tests/modelfile/test_gguf_parts.py.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +28,8 @@ from splitmoe.modelfile.experts import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_split import split_gguf
 from tests.support.expert_services import ExpertServices
-from tests.support.processes import CLUSTER, REPO, run_splitmoe
-from tests.support.stack import running_stack
+from tests.support.processes import CLUSTER, REPO, free_port, run_splitmoe
+from tests.support.stack import running_stack, wait_http_ok
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 FIXTURES = REPO.parent / "shared" / "fixtures"
@@ -164,3 +168,68 @@ def test_whole_stack_on_a_split_model_equals_generate_on_the_file(tmp_path):
                                                max_tokens=12, temperature=0)
     reference = run_splitmoe("generate", str(model), "--prompt", "def norm(v):", "--chat", "-n", "12")
     assert reply.choices[0].message.content and reply.choices[0].message.content == reference[:-1]
+
+
+# ---- the other commands that take a model --------------------------------------------------------
+
+
+def test_generate_on_a_split_model_equals_generate_on_the_file(demo_gguf, tmp_path, capsys):
+    first = split_into(demo_gguf, tmp_path / "parts", 3)
+    texts = []
+    for model in (demo_gguf, first):
+        assert main(["generate", str(model), "--prompt", "Hello", "--chat", "-n", "8", "--device", "cpu"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] and texts[1] == texts[0]
+
+
+def test_bench_run_on_a_split_model(demo_gguf, tmp_path):
+    first = split_into(demo_gguf, tmp_path / "parts", 2)
+    out = tmp_path / "figures.json"
+    run_splitmoe("bench", "run", "--model", str(first), "--threads", "2", "--json", str(out), "--no-inprocess",
+                 "--run-dir", str(tmp_path / "run"), "--prompt-tokens", "8", "--decode-tokens", "3", "--streams", "1",
+                 "--stream-prompt-tokens", "4", "--bandwidth-mb", "32", timeout_s=180)
+    assert json.loads(out.read_text())["decode_tok_s"] > 0
+
+
+def test_up_on_a_split_model_serves_it_by_the_set_name(demo_gguf, tmp_path):
+    first = split_into(demo_gguf, tmp_path / "parts", 3)
+    port = free_port()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    up = subprocess.Popen([sys.executable, "-m", "splitmoe", "up", str(first), "--expert-services", "2",
+                           "--port", str(port), "--threads", "2", "--startup-timeout-s", "60"],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", up, timeout_s=90)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["demo"]
+        reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hello"}],
+                                               max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens > 0
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed (the optional `bench` extra): our parts not checked "
+                           "against llama.cpp's own loader")
+@pytest.mark.parametrize("metadata_only_first", [False, True])
+def test_llama_cpp_reads_our_parts_as_the_file(demo_gguf, tmp_path, metadata_only_first):
+    """Our writer follows llama-gguf-split's format closely enough for llama.cpp's loader: the same logits."""
+    from llama_cpp import Llama
+
+    def llama_cpp_logits(model: Path) -> np.ndarray:
+        llm = Llama(model_path=str(model), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+        try:
+            llm.eval(TOKENS)
+            return np.array(llm.scores[:len(TOKENS)])
+        finally:
+            llm.close()
+
+    first = split_into(demo_gguf, tmp_path / "parts", 3, metadata_only_first=metadata_only_first)
+    expected = llama_cpp_logits(demo_gguf)
+    assert np.isfinite(expected).all() and np.array_equal(llama_cpp_logits(first), expected)
