@@ -18,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from gguf import GGUFReader
 
 from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
@@ -27,7 +28,10 @@ from splitmoe.cli import main
 from splitmoe.modelfile.experts import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_split import split_gguf
+from tests.attention_service.test_hf_reference import mixtral_config
 from tests.support.expert_services import ExpertServices
+from tests.support.hf_reference import build_model
+from tests.support.hf_to_gguf import Q8_0, convert
 from tests.support.processes import CLUSTER, REPO, free_port, run_splitmoe
 from tests.support.stack import running_stack, wait_http_ok
 
@@ -95,10 +99,10 @@ def test_command_given_a_broken_set_says_one_line(demo_gguf, tmp_path):
 # ---- through the services -----------------------------------------------------------------------
 
 
-def remote_logits(model: Path, address: str) -> bytes:
-    """The exact float32 path with every expert on the service at `address`, whose file must be `model`'s."""
+def remote_logits(model: Path, *addresses: str) -> bytes:
+    """The exact float32 path with the experts on the services at `addresses`, whose file must be `model`'s."""
     g = GGUFFile(model)
-    settings = RemoteExpertsSettings(addresses=(address,), expert_timeout_s=60.0, startup_wait_s=120.0,
+    settings = RemoteExpertsSettings(addresses=addresses, expert_timeout_s=60.0, startup_wait_s=120.0,
                                      security=CLUSTER)
     backend = RemoteExperts(g, settings)
     try:
@@ -109,20 +113,26 @@ def remote_logits(model: Path, address: str) -> bytes:
         backend.close()
 
 
-def serve_each(models: dict[str, Path], log_dir: Path) -> ExpertServices:
-    """One expert service per model, hosting all of its experts; started in one wave."""
+def serve_each(models: dict[str, Path], log_dir: Path, halves: bool = False) -> ExpertServices:
+    """One expert service per model hosting all of its experts, or two (`halves`) each hosting half;
+    started in one wave. Services are named after the model, `-low` / `-high` for halves."""
     services = ExpertServices(log_dir)
     for name, model in models.items():
-        services.start(name, model, "--experts", f"0-{expert_count(GGUFFile(model)) - 1}")
+        n = expert_count(GGUFFile(model))
+        ranges = {f"{name}-low": f"0-{n // 2 - 1}", f"{name}-high": f"{n // 2}-{n - 1}"} if halves \
+            else {name: f"0-{n - 1}"}
+        for service, experts in ranges.items():
+            services.start(service, model, "--experts", experts)
     return services
 
 
-def assert_services_logits_survive_splitting(model: Path, tmp_path: Path) -> None:
+def assert_services_logits_survive_splitting(model: Path, tmp_path: Path, halves: bool = False) -> None:
     models = {"whole": model, **{f"split-{n}": first for n, first in split_sets(model, tmp_path).items()}}
-    services = serve_each(models, tmp_path)
+    services = serve_each(models, tmp_path, halves)
     try:
         services.wait()
-        got = {name: remote_logits(path, services.address(name)) for name, path in models.items()}
+        got = {name: remote_logits(path, *(services.address(s) for s in services.procs if s == name or s.startswith(f"{name}-")))
+               for name, path in models.items()}
     finally:
         services.stop_all()
     for name in models:
@@ -138,6 +148,24 @@ def test_fixture_logits_through_expert_services(model, tmp_path):
 
 def test_demo_model_logits_through_expert_services(demo_gguf, tmp_path):
     assert_services_logits_survive_splitting(demo_gguf, tmp_path)
+
+
+def test_own_model_in_the_per_expert_layout(tmp_path):
+    """Our converter's old-Mixtral layout (one tensor per expert, so a layer's experts end up in
+    different parts): the logits command, and two services each hosting half of the experts."""
+    model = build_model(mixtral_config(), seed=200)
+    path = convert(model, tmp_path / "mixtral-per-expert.gguf", Q8_0, per_expert_tensors=True)
+    for step in ("logits", "services"):
+        (tmp_path / step).mkdir()
+    assert_logits_survive_splitting(path, tmp_path / "logits")
+    assert_services_logits_survive_splitting(path, tmp_path / "services", halves=True)
+    parts = sorted((tmp_path / "services" / "3-parts").iterdir())
+    holding = [p.name for p in parts if any(".ffn_gate." in t.name for t in GGUFReader(p, "r").tensors)]
+    assert len(holding) > 1  # the experts were in more than one part
+
+
+def test_demo_model_with_experts_split_across_two_services(demo_gguf, tmp_path):
+    assert_services_logits_survive_splitting(demo_gguf, tmp_path, halves=True)
 
 
 def test_expert_service_refuses_another_split_of_the_model(demo_gguf, tmp_path):
