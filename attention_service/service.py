@@ -9,7 +9,6 @@ import itertools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from splitmoe.attention_service.engine.engine import Engine
@@ -25,6 +24,7 @@ from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.chat_template import ChatTemplate
 from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.gguf_parts import model_stem
 from splitmoe.modelfile.tokenizer import Tokenizer
 from splitmoe.runtime.settings import repack_cache_dir
 
@@ -133,7 +133,7 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
     model = ServingModel(
         settings=settings, runner=runner, engine=engine, tokenizer=tokenizer,
         template=ChatTemplate.from_gguf_metadata(runner.gguf.metadata, tokenizer),
-        model_id=settings.served_model_name or Path(settings.model_path).stem,
+        model_id=settings.served_model_name or model_stem(settings.model_path),
         max_context_tokens=min(runner.cfg.context_tokens, options.kv_cache_tokens),
         reasoning=detect_reasoning_format(tokenizer),
     )

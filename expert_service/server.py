@@ -23,6 +23,7 @@ from splitmoe.expert_service.hops import HopHandler
 from splitmoe.expert_service.settings import ExpertServiceSettings
 from splitmoe.expert_service.shard import HostedShard, ShardDescription
 from splitmoe.modelfile.experts import format_ranges
+from splitmoe.modelfile.gguf_parts import model_stem
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     def _shard_info(self, described: ShardDescription) -> expert_pb2.ShardInfo:
         g = self.hosted.g
         return expert_pb2.ShardInfo(
-            model_name=str(g.get("general.name", g.path.stem)), arch=g.arch, file_id=self._file_id,
+            model_name=str(g.get("general.name", model_stem(g.path))), arch=g.arch, file_id=self._file_id,
             layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
             num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads(),
             doorbell=self.doorbell)

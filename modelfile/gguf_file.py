@@ -22,6 +22,10 @@ element, rows that are whole quant blocks, and is aligned and inside the file; a
 holds nothing but the tensors, each padded to the alignment, none overlapping another, as every
 writer (gguf-py, ggml) lays it out. A tensor count or an offset that is off then cannot pass as
 another tensor's bytes; GGUF has no checksum, so bytes inside a tensor are taken as they are.
+
+A model split by llama-gguf-split is opened from its first part (`gguf_parts` finds and checks the
+rest): metadata comes from the first part, tensors from whichever part holds them, each a view of
+that part's own mmap.
 """
 from __future__ import annotations
 
@@ -63,11 +67,17 @@ class GGUFFile:
     """Metadata as plain python values, tensors as `QuantTensor` views of the mmap."""
 
     def __init__(self, path: str | os.PathLike):
+        """`path`: a GGUF file, or the first part of a split one (every part is opened)."""
+        from splitmoe.modelfile.gguf_parts import open_later_parts  # here: that module builds on this one
+
         self.path = Path(path)
-        self._data, header = _open(self.path)
-        self.metadata: dict[str, Any] = header.metadata
-        self._value_types: dict[str, GGUFValueType] = header.value_types
-        self._tensors: dict[str, _TensorInfo] = {t.name: t for t in header.tensors}
+        first = open_part(self.path)
+        parts = [first, *open_later_parts(first)]
+        self.parts: list[Path] = [part.path for part in parts]  # the first is `path`
+        self.metadata: dict[str, Any] = first.header.metadata
+        self._value_types: dict[str, GGUFValueType] = first.header.value_types
+        self._tensors: dict[str, tuple[_TensorInfo, GGUFPart]] = {
+            t.name: (t, part) for part in parts for t in part.header.tensors}
         self.arch: str = self.value("general.architecture", str)
 
     # ---- metadata ------------------------------------------------------------------------------
@@ -107,9 +117,10 @@ class GGUFFile:
     def file_id(self) -> str:
         """The identity two services compare before trusting each other's expert ids.
 
-        Name and size, not mtime: a copy of the same file on another host must match.
+        Name and size, not mtime: a copy of the same file on another host must match. A split
+        model's id has every part's size: the first part's name already says how many there are.
         """
-        return f"{self.path.name}:{self.path.stat().st_size}"
+        return f"{self.path.name}:{'+'.join(str(p.stat().st_size) for p in self.parts)}"
 
     # ---- tensors -------------------------------------------------------------------------------
 
@@ -126,20 +137,21 @@ class GGUFFile:
         Shapes compare as ggml compares them: size-1 dims the file lists last (first in torch
         order) do not count, since llama-quantize drops them; the tensor comes back in `shape`.
         """
-        info = self._tensors.get(name)
-        if info is None:
+        found = self._tensors.get(name)
+        if found is None:
             raise GGUFError(f"{self.path.name}: missing tensor {name!r}")
-        data = info.view(self._data)
+        info, part = found
+        data = info.view(part.data)
         if shape is not None and tuple(shape) != info.shape:
             if _without_leading_ones(shape) != _without_leading_ones(info.shape):
-                raise GGUFError(f"{self.path.name}: tensor {name!r} has shape {list(info.shape)}, but the "
+                raise GGUFError(f"{part.path.name}: tensor {name!r} has shape {list(info.shape)}, but the "
                                 f"hyper-parameters give {list(shape)}")
             data = data.reshape(tuple(shape[:-1]) + data.shape[-1:])  # the row (of values or bytes) is kept
         qt = QuantTensor(name, int(info.ggml_type), tuple(shape) if shape is not None else info.shape, data)
         try:
             check_supported(qt)
         except ValueError as e:
-            raise GGUFError(f"{self.path.name}: {e}") from None
+            raise GGUFError(f"{part.path.name}: {e}") from None
         return qt
 
 
@@ -184,14 +196,24 @@ class _Header:
     tensors: list[_TensorInfo]
 
 
-def _open(path: Path) -> tuple[np.memmap, _Header]:
+@dataclass(frozen=True)
+class GGUFPart:
+    """One file of a model, parsed and mapped: the whole model, or one part of a split one."""
+    path: Path
+    data: np.memmap
+    header: _Header
+
+
+def open_part(path: Path) -> GGUFPart:
+    """One file, parsed and checked on its own (a split model's parts are checked together by
+    `gguf_parts`)."""
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
     try:
         if path.stat().st_size < _HEADER_BYTES:  # also what np.memmap cannot map: an empty file
             raise _Unreadable(f"the file is {path.stat().st_size} bytes, shorter than a GGUF header")
         data = np.memmap(path, mode="r")  # np.memmap: tensor views stay views of the page cache
-        return data, _parse(memoryview(data))
+        return GGUFPart(path, data, _parse(memoryview(data)))
     except _Rejected as e:
         raise GGUFError(f"{path.name}: {e}") from None
     except Exception as e:  # _Unreadable, or the mmap itself failing (an empty file)

@@ -116,14 +116,15 @@ def _start(supervisor: Supervisor, settings: UpSettings, num_experts: int) -> No
 
 def _served_model(base_url: str, settings: UpSettings) -> str:
     """The model id clients must send: what the gateway lists, else the file's stem."""
+    from splitmoe.modelfile.gguf_parts import model_stem
     from splitmoe.supervisor import HttpHealthProbe
 
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     status, body = HttpHealthProbe(f"{base_url}/v1/models", headers).get(timeout_s=5.0)
     try:
-        return json.loads(body)["data"][0]["id"] if status == 200 else Path(settings.model_path).stem
+        return json.loads(body)["data"][0]["id"] if status == 200 else model_stem(settings.model_path)
     except (ValueError, KeyError, IndexError, TypeError):
-        return Path(settings.model_path).stem
+        return model_stem(settings.model_path)
 
 
 def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
