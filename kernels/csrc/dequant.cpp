@@ -1,4 +1,5 @@
-// Dequantization of every GGML format kernels.quants supports, bit-identical to it in float32:
+// Dequantization of every GGML format kernels.quants supports (and IQ4_NL / IQ4_XS, whose reference is
+// gguf-py's), bit-identical to it in float32:
 // the same float operations in the same order (the build uses -ffp-contract=off, so no fused
 // multiply-add changes a rounding). Rows are shared out across the thread pool.
 #include <algorithm>
@@ -108,6 +109,24 @@ void dq_q6_k(const uint8_t* b, float* y) {
             }
         }
 }
+void dq_iq4_nl(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = d * float(kIq4nl[b[2 + l] & 15]);
+        y[l + 16] = d * float(kIq4nl[b[2 + l] >> 4]);
+    }
+}
+void dq_iq4_xs(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int ib = 0; ib < 8; ++ib) {
+        const float dl = d * float(iq4xs_scale(b, ib));
+        const uint8_t* qs = b + 8 + 16 * ib;
+        for (int l = 0; l < 16; ++l) {
+            y[32 * ib + l] = dl * float(kIq4nl[qs[l] & 15]);
+            y[32 * ib + l + 16] = dl * float(kIq4nl[qs[l] >> 4]);
+        }
+    }
+}
 void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
 void dq_bf16(const uint8_t* b, float* y) {
     uint32_t bits = uint32_t(b[0] | b[1] << 8) << 16;
@@ -133,6 +152,8 @@ BlockFn block_fn(int type) {
         case T_Q4_K: return dq_q45_k<false>;
         case T_Q5_K: return dq_q45_k<true>;
         case T_Q6_K: return dq_q6_k;
+        case T_IQ4_NL: return dq_iq4_nl;
+        case T_IQ4_XS: return dq_iq4_xs;
         default: return nullptr;
     }
 }

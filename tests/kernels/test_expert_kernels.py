@@ -6,7 +6,8 @@ by tokens per expert. The reference is token by token in float64 on the exact de
 weights and the bfloat16-rounded input, so what remains is each route's own rounding: int8
 activations (native, ~0.3% per matmul), bfloat16 activations and scales (int4), the bfloat16
 output (~0.2%). The bound, 2e-2 rel-L2, is far below what a wrong scale, nibble order, bias
-or slot would give (those are O(1)).
+or slot would give (those are O(1)). The types kernels.quants does not dequantize (IQ4_NL, IQ4_XS)
+take gguf-py's dequantization as their reference, and run the native routes only.
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
 from splitmoe.kernels.expert_kernels import FastMoELayer
 from splitmoe.kernels.int4pack import can_repack, repack_expert
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN
-from splitmoe.kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.quants import QuantTensor
 from tests.kernels.test_moe import Float64FFN
-from tests.kernels.test_quants import FP16_FIELDS
+from tests.kernels.test_native import IQ_TYPES, fp16_fields, ref_dequantize
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4]
+TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, *IQ_TYPES]
 INT4 = {T.Q4_0, T.Q4_1, T.Q4_K}
 TORCH_DEQUANT_SAMPLE = {T.Q4_0, T.Q4_K, T.Q6_K, T.MXFP4}
 D, F, NUM_EXPERTS, TOP_K = 256, 256, 6, 2  # 256: the k-quants' super-block
@@ -50,13 +51,13 @@ def realistic_blocks(qtype: T, shape: tuple[int, int], rng: np.random.Generator)
     elems, nbytes = GGML_QUANT_SIZES[qtype]
     n_blocks = shape[0] * shape[1] // elems
     blocks = rng.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
-    fields = FP16_FIELDS[qtype]
+    fields = fp16_fields(qtype)
     for off in fields:
         d = rng.uniform(0.5, 1.0, n_blocks) * rng.choice([-1.0, 1.0], n_blocks) * 1e-2
         blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if qtype == T.MXFP4:
         blocks[:, 0] = rng.integers(120, 124, n_blocks)
-    std = float(dequantize(QuantTensor("w", int(qtype), shape, blocks.reshape(shape[0], -1))).std())
+    std = float(ref_dequantize(QuantTensor("w", int(qtype), shape, blocks.reshape(shape[0], -1))).std())
     gain = 1.0 / np.sqrt(shape[1]) / std
     if fields:
         for off in fields:
@@ -85,12 +86,21 @@ def make_experts(qtype: T, seed: int, *, down_type: T | None = None, activation:
             for e in hosted}
 
 
+class RefFFN(Float64FFN):
+    """Float64FFN on ref_dequantize (gguf-py's for the types kernels.quants lacks)."""
+
+    def __init__(self, ffn: ExpertFFN):
+        self.activation = ffn.activation
+        self.layers = [(ref_dequantize(w).double(), None if b is None else b.double())
+                       for w, b in ((ffn.gate, ffn.gate_bias), (ffn.up, ffn.up_bias), (ffn.down, ffn.down_bias))]
+
+
 _FLOAT64: dict[int, dict[int, Float64FFN]] = {}
 
 
 def reference(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
     """The definition, slot by slot: out = sum_k [ids[:, k] == e] * weights[:, k] * FFN_e(x), float64."""
-    ffns = _FLOAT64.setdefault(id(experts), {e: Float64FFN(f) for e, f in experts.items()})
+    ffns = _FLOAT64.setdefault(id(experts), {e: RefFFN(f) for e, f in experts.items()})
     x = hidden.double()
     out = torch.zeros(hidden.shape, dtype=torch.float64)
     for e, ffn in ffns.items():

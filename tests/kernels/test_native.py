@@ -8,7 +8,8 @@ error: 0.5% rel-L2 expected, 0.46-0.57% measured over every format. The bound us
 leaves headroom for that and is far below what any wrong scale, offset, nibble order or sign
 would give (those err by O(1)). A second, much tighter check compares with the exact product of
 the int8-rounded activations (emulated in torch), where only float32 summation differs. Every
-ISA this CPU can run is tested, all against the same references.
+ISA this CPU can run is tested, all against the same references. The types kernels.quants does
+not dequantize (IQ4_NL, IQ4_XS) take gguf-py's dequantization as their reference.
 """
 from __future__ import annotations
 
@@ -19,17 +20,45 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
 
 from splitmoe.kernels import native
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
-from splitmoe.kernels.quants import QuantTensor
-from splitmoe.kernels.quants import dequantize as ref_dequantize
+from splitmoe.kernels.quants import QuantTensor, supported_types
+from splitmoe.kernels.quants import dequantize as quants_dequantize
 from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, random_blocks
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1]
+# The IQ types' fp16 fields (d): IQ4_NL d, qs[16]; IQ4_XS d, scales_h, scales_l[4], qs[128].
+IQ_FP16_FIELDS = {T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+IQ_TYPES = list(IQ_FP16_FIELDS)
+MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1, *IQ_TYPES]
 TOL = 1e-2
+
+
+def fp16_fields(qtype: T) -> tuple[int, ...]:
+    return FP16_FIELDS[qtype] if qtype in FP16_FIELDS else IQ_FP16_FIELDS[qtype]
+
+
+def blocks(qtype: T, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """test_quants.random_blocks, for the IQ types too (any bits but finite fp16 scales)."""
+    if qtype in FP16_FIELDS:
+        return random_blocks(qtype, shape, rng)
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // elems
+    raw = rng.integers(0, 256, size=(n_blocks, nbytes), dtype=np.uint8)
+    for off in fp16_fields(qtype):
+        scale = rng.uniform(-1, 1, n_blocks) * 10.0 ** rng.uniform(-4, 1, n_blocks)
+        raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // elems * nbytes)
+
+
+def ref_dequantize(w: QuantTensor) -> torch.Tensor:
+    """kernels.quants' dequantization, or gguf-py's for the types it lacks."""
+    if int(w.ggml_type) in supported_types():
+        return quants_dequantize(w)
+    return torch.from_numpy(gq.dequantize(np.asarray(w.data), T(w.ggml_type)).reshape(w.shape))
 
 
 def _isas() -> list[str]:
@@ -50,7 +79,7 @@ def isa(request):
 
 
 def qt(qtype: T, shape: tuple[int, ...], seed: int, name: str = "w") -> QuantTensor:
-    raw = random_blocks(qtype, shape, np.random.default_rng(seed))
+    raw = blocks(qtype, shape, np.random.default_rng(seed))
     raw.flags.writeable = False  # as the mmap view is
     return QuantTensor(name, int(qtype), shape, raw)
 
@@ -59,14 +88,14 @@ def tame(qtype: T, shape: tuple[int, ...], seed: int, name: str, scale: float) -
     """Random blocks with every fp16 scale (and min) in [scale/2, scale]: weights of one
     magnitude, as trained ones are, so that an MoE's output is O(1)."""
     rng = np.random.default_rng(seed)
-    raw = random_blocks(qtype, shape, rng)
+    raw = blocks(qtype, shape, rng)
     elems, nbytes = GGML_QUANT_SIZES[qtype]
-    blocks = raw.reshape(-1, nbytes)
-    for off in FP16_FIELDS[qtype]:
-        d = (rng.uniform(0.5, 1.0, len(blocks)) * scale).astype(np.float16)
-        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    bl = raw.reshape(-1, nbytes)
+    for off in fp16_fields(qtype):
+        d = (rng.uniform(0.5, 1.0, len(bl)) * scale).astype(np.float16)
+        bl[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
     if qtype == T.MXFP4:
-        blocks[:, 0] = 127 + int(np.round(np.log2(scale))) + rng.integers(-1, 1, len(blocks))
+        bl[:, 0] = 127 + int(np.round(np.log2(scale))) + rng.integers(-1, 1, len(bl))
     if qtype in (T.Q4_K, T.Q5_K):  # 6-bit scales and mins: keep the mins below the scales' reach
         pass
     raw.flags.writeable = False
@@ -85,7 +114,8 @@ def quantize_act(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels see it: int8 per block of 32, scale max|x| / 127 (float32 ops as in C)."""
     b = x.float().reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division (the scalar 127.0 / amax is computed as 127 * (1 / amax): rounds differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(b * inv).clamp(-127, 127)
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
@@ -121,12 +151,14 @@ def test_matmul_every_type_and_isa(qtype, isa):
             assert err <= TOL, (qtype.name, isa, m, n, k, err)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, T.IQ4_NL, T.IQ4_XS],
+                         ids=lambda t: t.name)
 def test_matmul_every_token_tile(qtype, isa):
     """Every token count up to two full tiles and a remainder (the SIMD kernels decode a weight
     block once for up to 8 tokens), against the exact product of the quantized activations.
-    MXFP4 rows end in a 32-value tail after two 256-value groups, as gpt-oss's 2880 does."""
-    k = 544 if qtype == T.MXFP4 else 512
+    MXFP4 and IQ4_NL rows end in a 32-value tail after two 256-value groups, as gpt-oss's 2880
+    does."""
+    k = 544 if qtype in (T.MXFP4, T.IQ4_NL) else 512
     w = qt(qtype, (9, k), seed=11 + int(qtype))
     gen = torch.Generator().manual_seed(int(qtype))
     for m in range(1, 20):
@@ -177,7 +209,8 @@ def test_matmul_rejects_bad_inputs(bad, match):
         bad(torch.randn(3, 64), w)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES + [t for t in IQ_TYPES if t not in BLOCK_TYPES],
+                         ids=lambda t: t.name)
 def test_dequantize_bit_identical(qtype):
     elems = GGML_QUANT_SIZES[qtype][0]
     k = max(256, elems)
@@ -216,6 +249,9 @@ def test_dequantize_expert_tensor_and_errors():
 # ---- MoE ----------------------------------------------------------------------------------------
 
 D, FFN, E, K = 512, 256, 6, 2
+# Scale per unit of the fp16 d: the IQ4 codes are O(50) (IQ4_XS's sub-block scales O(16) on top),
+# the other types' quants O(10).
+TAME_SCALE = {T.IQ4_NL: 1e-3, T.IQ4_XS: 6e-5}
 
 
 def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), seed: int = 0) -> dict[int, ExpertFFN]:
@@ -226,16 +262,17 @@ def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), 
 
     # random quants have mean |q| ~ 8-16 per unit of scale, so these keep gate/up O(1-10)
     # (swiglu_oai's clamps at 7 are reached) and the output O(1)
-    return {e: ExpertFFN(tame(types[0], (FFN, D), seed * 1000 + 3 * e, f"gate{e}", 0.003),
-                         tame(types[1], (FFN, D), seed * 1000 + 3 * e + 1, f"up{e}", 0.003),
-                         tame(types[2], (D, FFN), seed * 1000 + 3 * e + 2, f"down{e}", 0.003),
+    sc = [TAME_SCALE.get(t, 0.003) for t in types]
+    return {e: ExpertFFN(tame(types[0], (FFN, D), seed * 1000 + 3 * e, f"gate{e}", sc[0]),
+                         tame(types[1], (FFN, D), seed * 1000 + 3 * e + 1, f"up{e}", sc[1]),
+                         tame(types[2], (D, FFN), seed * 1000 + 3 * e + 2, f"down{e}", sc[2]),
                          bias(FFN), bias(FFN), bias(D), activation)
             for e in range(E)}
 
 
 class RefFFN:
     """One expert in float64 from its exactly dequantized weights (native.dequantize: faster than
-    kernels.quants, and bit-identical to it, as test_dequantize_bit_identical checks)."""
+    the reference, and bit-identical to it, as test_dequantize_bit_identical checks)."""
 
     def __init__(self, f: ExpertFFN):
         self.w = [native.dequantize(m).double() for m in (f.gate, f.up, f.down)]
@@ -324,6 +361,21 @@ def test_moe_silu_q8_and_mixed_types_against_kernels_moe():
     weights = torch.rand(5, K, generator=gen)
     got = native.MoELayer(experts, E).forward(x, ids, weights)
     assert rel_l2(got, moe_forward(x, ids, weights, experts).double()) <= MOE_TOL  # the torch path
+
+
+@pytest.mark.parametrize("types", [(T.IQ4_XS, T.IQ4_XS, T.IQ4_NL), (T.IQ4_NL, T.IQ4_NL, T.IQ4_XS)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_moe_iq4_types_every_isa(types, isa):
+    """The IQ4 kernels inside the MoE layer (the intermediate activations quantized by the layer
+    itself), decode and an 8-token tile and a remainder, on every ISA."""
+    experts = make_experts(ACT_SILU, False, types=types, seed=6)
+    layer = native.MoELayer(experts, E)
+    gen = torch.Generator().manual_seed(6)
+    for tokens in (1, 11):
+        x = torch.randn(tokens, D, generator=gen)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1)
+        check_moe(layer.forward(x, ids, weights), x, ids, weights, experts)
 
 
 def test_moe_rejects_bad_inputs():
