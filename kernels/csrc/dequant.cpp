@@ -109,23 +109,20 @@ void dq_q6_k(const uint8_t* b, float* y) {
             }
         }
 }
-void dq_iq4_nl(const uint8_t* b, float* y) {
-    const float d = ld_fp16(b);
+// The IQ4 codes index a table: the 16 products d * code first (the same float operations as
+// per value, so the same bits), then one lookup per value (3-4x faster than converting each).
+inline void iq4_block(float d, const uint8_t* qs, float* y) {
+    float tab[16];
+    for (int i = 0; i < 16; ++i) tab[i] = d * float(kIq4nl[i]);
     for (int l = 0; l < 16; ++l) {
-        y[l] = d * float(kIq4nl[b[2 + l] & 15]);
-        y[l + 16] = d * float(kIq4nl[b[2 + l] >> 4]);
+        y[l] = tab[qs[l] & 15];
+        y[l + 16] = tab[qs[l] >> 4];
     }
 }
+void dq_iq4_nl(const uint8_t* b, float* y) { iq4_block(ld_fp16(b), b + 2, y); }
 void dq_iq4_xs(const uint8_t* b, float* y) {
     const float d = ld_fp16(b);
-    for (int ib = 0; ib < 8; ++ib) {
-        const float dl = d * float(iq4xs_scale(b, ib));
-        const uint8_t* qs = b + 8 + 16 * ib;
-        for (int l = 0; l < 16; ++l) {
-            y[32 * ib + l] = dl * float(kIq4nl[qs[l] & 15]);
-            y[32 * ib + l + 16] = dl * float(kIq4nl[qs[l] >> 4]);
-        }
-    }
+    for (int ib = 0; ib < 8; ++ib) iq4_block(d * float(iq4xs_scale(b, ib)), b + 8 + 16 * ib, y + 32 * ib);
 }
 void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
 void dq_bf16(const uint8_t* b, float* y) {
