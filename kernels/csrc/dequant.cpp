@@ -7,6 +7,11 @@
 
 #include "smk.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SMK_X86 1
+#endif
+
 namespace smk {
 namespace {
 
@@ -124,6 +129,26 @@ void dq_iq4_xs(const uint8_t* b, float* y) {
     const float d = ld_fp16(b);
     for (int ib = 0; ib < 8; ++ib) iq4_block(d * float(iq4xs_scale(b, ib)), b + 8 + 16 * ib, y + 32 * ib);
 }
+#ifdef SMK_X86
+// With AVX2 (any ISA but scalar in use): the codes of a block looked up with two pshufb, widened
+// and converted 8 at a time, times d: the same product per value, 2x faster than the table again.
+__attribute__((target("avx2"))) inline void iq4_block_avx2(float d, const uint8_t* qs, float* y) {
+    const __m128i tbl = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl));
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(0x0f);
+    const __m128i v[2] = {_mm_shuffle_epi8(tbl, _mm_and_si128(x, m4)),
+                          _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(x, 4), m4))};
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_ps(y + 16 * h, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h]))));
+        _mm256_storeu_ps(y + 16 * h + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8)))));
+    }
+}
+__attribute__((target("avx2"))) void dq_iq4_nl_avx2(const uint8_t* b, float* y) { iq4_block_avx2(ld_fp16(b), b + 2, y); }
+__attribute__((target("avx2"))) void dq_iq4_xs_avx2(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int ib = 0; ib < 8; ++ib) iq4_block_avx2(d * float(iq4xs_scale(b, ib)), b + 8 + 16 * ib, y + 32 * ib);
+}
+#endif
 void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
 void dq_bf16(const uint8_t* b, float* y) {
     uint32_t bits = uint32_t(b[0] | b[1] << 8) << 16;
@@ -132,6 +157,15 @@ void dq_bf16(const uint8_t* b, float* y) {
 void dq_f32(const uint8_t* b, float* y) { std::memcpy(y, b, 4); }
 
 typedef void (*BlockFn)(const uint8_t*, float*);
+
+// Whether the ISA in use (which SPLITMOE_KERNELS_ISA may lower) has AVX2.
+bool use_avx2() {
+#ifdef SMK_X86
+    return std::strcmp(kernels().name, "scalar") != 0;
+#else
+    return false;
+#endif
+}
 
 BlockFn block_fn(int type) {
     switch (type) {
@@ -149,8 +183,13 @@ BlockFn block_fn(int type) {
         case T_Q4_K: return dq_q45_k<false>;
         case T_Q5_K: return dq_q45_k<true>;
         case T_Q6_K: return dq_q6_k;
+#ifdef SMK_X86
+        case T_IQ4_NL: return use_avx2() ? dq_iq4_nl_avx2 : dq_iq4_nl;
+        case T_IQ4_XS: return use_avx2() ? dq_iq4_xs_avx2 : dq_iq4_xs;
+#else
         case T_IQ4_NL: return dq_iq4_nl;
         case T_IQ4_XS: return dq_iq4_xs;
+#endif
         default: return nullptr;
     }
 }

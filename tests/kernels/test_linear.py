@@ -4,7 +4,8 @@ The native route quantizes activations to int8 (per block of at most 256 values,
 round to nearest, as ggml's Q8_0/Q8_K): each product then errs by at most ‖w_block‖₁·amax/254
 per block, which is the bound checked, plus float32 rounding. The GEMM route multiplies the
 exact dequantized weights in float32. The fallback (no native library, or a type it lacks) keeps
-a dense copy in the model's dtype.
+a dense copy in the model's dtype. The IQ types' reference is gguf-py's dequantization
+(test_native.ref_dequantize).
 """
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ from gguf import GGMLQuantizationType as T
 import splitmoe.kernels.linear as kl
 from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
 from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, linear
-from splitmoe.kernels.quants import QuantTensor, dequantize
-from tests.kernels.test_quants import random_blocks
+from splitmoe.kernels.quants import QuantTensor
+from tests.kernels.test_native import IQ_TYPES, blocks
+from tests.kernels.test_native import ref_dequantize as dequantize
 
-NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
+NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, *IQ_TYPES]
 F32_EPS = 2.0 ** -24
 
 
 def quant_tensor(qtype: T, n: int, k: int, seed: int = 0) -> QuantTensor:
-    raw = random_blocks(qtype, (n, k), np.random.default_rng(seed))
+    raw = blocks(qtype, (n, k), np.random.default_rng(seed))
     raw.setflags(write=False)  # as the mmap views are
     return QuantTensor(f"w_{qtype.name}", int(qtype), (n, k), raw)
 

@@ -234,6 +234,16 @@ def test_dequantize_bit_identical(qtype):
     assert torch.equal(out.view(torch.int16), want.bfloat16().view(torch.int16))
 
 
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
+def test_iq_dequantize_every_isa(qtype, isa):
+    """The IQ types dequantize with pshufb where the ISA has AVX2, portably on scalar: same bits."""
+    w = qt(qtype, (40, 512), seed=int(qtype) + 1)
+    want = ref_dequantize(w)
+    assert torch.equal(native.dequantize(w).view(torch.int32), want.view(torch.int32)), isa
+    bf = native.dequantize(w, torch.bfloat16)
+    assert torch.equal(bf.view(torch.int16), want.bfloat16().view(torch.int16)), isa
+
+
 def test_dequantize_expert_tensor_and_errors():
     w = qt(T.Q6_K, (3, 4, 256), seed=5)
     assert torch.equal(native.dequantize(w), ref_dequantize(w))
