@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "iq_grids.h"
 #include "smk.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -149,6 +150,18 @@ __attribute__((target("avx2"))) void dq_iq4_xs_avx2(const uint8_t* b, float* y) 
     for (int ib = 0; ib < 8; ++ib) iq4_block_avx2(d * float(iq4xs_scale(b, ib)), b + 8 + 16 * ib, y + 32 * ib);
 }
 #endif
+
+// IQ2_XXS / IQ3_XXS: gguf-py's order, db = d * (1/2 + ls) * (1/4 | 1/2), then db * grid, signed
+// (db times the signed value: float multiplication rounds symmetrically, so the same bits).
+template <bool IQ3>
+void dq_iq_xxs(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    int8_t v[32];
+    for (int ib = 0; ib < 8; ++ib) {
+        const float db = d * (0.5f + float(iq_xxs_values<IQ3>(b, ib, v))) * (IQ3 ? 0.5f : 0.25f);
+        for (int l = 0; l < 32; ++l) y[32 * ib + l] = db * float(v[l]);
+    }
+}
 void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
 void dq_bf16(const uint8_t* b, float* y) {
     uint32_t bits = uint32_t(b[0] | b[1] << 8) << 16;
@@ -190,6 +203,8 @@ BlockFn block_fn(int type) {
         case T_IQ4_NL: return dq_iq4_nl;
         case T_IQ4_XS: return dq_iq4_xs;
 #endif
+        case T_IQ2_XXS: return dq_iq_xxs<false>;
+        case T_IQ3_XXS: return dq_iq_xxs<true>;
         default: return nullptr;
     }
 }

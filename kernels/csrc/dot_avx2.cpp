@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "iq_grids.h"
 #include "smk.h"
 
 #if defined(__clang__)
@@ -236,8 +237,65 @@ void iq4xs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
     for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
 }
 
+// IQ2_XXS / IQ3_XXS: per 32 values, grid entries (unsigned magnitudes) gathered by index from
+// general registers, a sign mask per 8 values moved onto the activation ((a ^ m) - m), and the
+// odd scale 2 ls + 1 applied by the int16 madd (|maddubs| <= 2 * 62 * 127; times 31 fits int32).
+// The AVX-512 ISAs use these too: there is no wider lookup for a 256- or 512-entry grid.
+struct X_IQ2_XXS {
+    static constexpr int BYTES = 66;
+    static constexpr float DS = 0.125f;  // d * (ls + 1/2) / 4 = d / 8 * (2 ls + 1)
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, int& sc) {
+        const uint8_t* q = b + 2 + 8 * ib;
+        const uint32_t sg = ld_u32(q + 4);
+        W = _mm256_set_epi64x(static_cast<long long>(kIq2xxsGrid[q[3]]), static_cast<long long>(kIq2xxsGrid[q[2]]),
+                              static_cast<long long>(kIq2xxsGrid[q[1]]), static_cast<long long>(kIq2xxsGrid[q[0]]));
+        S = _mm256_set_epi64x(static_cast<long long>(kSignMasks.m[(sg >> 21) & 127]), static_cast<long long>(kSignMasks.m[(sg >> 14) & 127]),
+                              static_cast<long long>(kSignMasks.m[(sg >> 7) & 127]), static_cast<long long>(kSignMasks.m[sg & 127]));
+        sc = 2 * int(sg >> 28) + 1;
+    }
+};
+struct X_IQ3_XXS {
+    static constexpr int BYTES = 98;
+    static constexpr float DS = 0.25f;  // d * (ls + 1/2) / 2 = d / 4 * (2 ls + 1)
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, int& sc) {
+        const uint8_t* q = b + 2 + 8 * ib;
+        const uint32_t sg = ld_u32(b + 66 + 4 * ib);
+        W = _mm256_set_epi32(int(kIq3xxsGrid[q[7]]), int(kIq3xxsGrid[q[6]]), int(kIq3xxsGrid[q[5]]), int(kIq3xxsGrid[q[4]]),
+                             int(kIq3xxsGrid[q[3]]), int(kIq3xxsGrid[q[2]]), int(kIq3xxsGrid[q[1]]), int(kIq3xxsGrid[q[0]]));
+        S = _mm256_set_epi64x(static_cast<long long>(kSignMasks.m[(sg >> 21) & 127]), static_cast<long long>(kSignMasks.m[(sg >> 14) & 127]),
+                              static_cast<long long>(kSignMasks.m[(sg >> 7) & 127]), static_cast<long long>(kSignMasks.m[sg & 127]));
+        sc = 2 * int(sg >> 28) + 1;
+    }
+};
+template <class X, int NT>
+void iq_xxs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
+        const uint8_t* b = row + size_t(sb) * X::BYTES;
+        prefetch_block(b, X::BYTES);
+        __m256 sacc[NT];
+        for (int t = 0; t < NT; ++t) sacc[t] = _mm256_setzero_ps();
+        for (int ib = 0; ib < 8; ++ib) {
+            __m256i W, S;
+            int sc;
+            X::dec(b, ib, W, S, sc);
+            const __m256i S16 = _mm256_set1_epi16(short(sc));
+            for (int t = 0; t < NT; ++t) {
+                const __m256i a = ld256(A[t].q + size_t(sb) * 256 + 32 * ib);
+                const __m256i i32 = _mm256_madd_epi16(_mm256_maddubs_epi16(W, _mm256_sub_epi8(_mm256_xor_si256(a, S), S)), S16);
+                sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(A[t].d + size_t(sb) * 8 + ib), sacc[t]);
+            }
+        }
+        const __m256 dv = _mm256_set1_ps(half(b) * X::DS);
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], dv, acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
+}
+
 template <bool Q5> struct TK45 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { k45_tile<Q5, NT>(r, k / 256, a, o); } };
 struct TIQ4XS { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq4xs_tile<NT>(r, k / 256, a, o); } };
+template <class X> struct TIQX { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq_xxs_tile<X, NT>(r, k / 256, a, o); } };
 struct TQ6 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { q6k_tile<NT>(r, k / 256, a, o); } };
 template <class Tl>
 void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
@@ -364,6 +422,8 @@ void smk::init_avx2(Kernels& K) {
     K.dot[T_MXFP4] = rows<TBlk<D_MXFP4>>;
     K.dot[T_IQ4_NL] = rows<TBlk<D_IQ4_NL>>;
     K.dot[T_IQ4_XS] = rows<TIQ4XS>;
+    K.dot[T_IQ2_XXS] = rows<TIQX<X_IQ2_XXS>>;
+    K.dot[T_IQ3_XXS] = rows<TIQX<X_IQ3_XXS>>;
 }
 
 #endif  // x86

@@ -3,6 +3,7 @@
 // the tests' cross-check and as the fallback on CPUs without AVX2.
 #include <cmath>
 
+#include "iq_grids.h"
 #include "smk.h"
 
 namespace smk {
@@ -28,6 +29,8 @@ TypeInfo type_info(int type) {
         case T_Q6_K: return {256, 210};
         case T_IQ4_NL: return {32, 18};
         case T_IQ4_XS: return {256, 136};
+        case T_IQ2_XXS: return {256, 66};
+        case T_IQ3_XXS: return {256, 98};
         default: return {0, 0};
     }
 }
@@ -157,6 +160,16 @@ struct DecIQ4_XS {
         b.D = ld_fp16(p); b.M = 0.f;
     }
 };
+// IQ2_XXS / IQ3_XXS (iq_grids.h): value = d * (ls + 1/2) / 4 (IQ3_XXS: / 2) * v
+// = d / 8 (/ 4) * (2 ls + 1) * v.
+template <bool IQ3>
+struct DecIQ_XXS {
+    static void dec(const uint8_t* row, int j, Block32& b) {
+        const uint8_t* p = row + (j / 8) * (IQ3 ? 98 : 66);
+        b.isc[0] = b.isc[1] = 2 * iq_xxs_values<IQ3>(p, j % 8, b.v) + 1;
+        b.D = ld_fp16(p) * (IQ3 ? 0.25f : 0.125f); b.M = 0.f;
+    }
+};
 template <bool Q5>
 struct DecQ45K {
     static void dec(const uint8_t* row, int j, Block32& b) {
@@ -233,6 +246,8 @@ void init_scalar(Kernels& K) {
     K.dot[T_Q6_K] = dot_rows<DecQ6_K>;
     K.dot[T_IQ4_NL] = dot_rows<DecIQ4_NL>;
     K.dot[T_IQ4_XS] = dot_rows<DecIQ4_XS>;
+    K.dot[T_IQ2_XXS] = dot_rows<DecIQ_XXS<false>>;
+    K.dot[T_IQ3_XXS] = dot_rows<DecIQ_XXS<true>>;
 }
 
 }  // namespace smk

@@ -30,8 +30,9 @@ from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, ran
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-# The IQ types' fp16 fields (d): IQ4_NL d, qs[16]; IQ4_XS d, scales_h, scales_l[4], qs[128].
-IQ_FP16_FIELDS = {T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+# The IQ types' fp16 fields (d): IQ4_NL d, qs[16]; IQ4_XS d, scales_h, scales_l[4], qs[128];
+# IQ2_XXS d, qs[64] (grid indices, signs and scales); IQ3_XXS d, qs[64], scales_and_signs[32].
+IQ_FP16_FIELDS = {T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,)}
 IQ_TYPES = list(IQ_FP16_FIELDS)
 MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1, *IQ_TYPES]
 TOL = 1e-2
@@ -134,7 +135,7 @@ def test_reports_isa_and_threads():
     assert native.isa() in ("avx512vnni", "avx512bw", "avx2", "scalar")
     assert native.get_num_threads() >= 1
     assert all(native.supports(int(t)) for t in MATMUL_TYPES)
-    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ2_XXS))
+    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ2_XS))
 
 
 @pytest.mark.parametrize("qtype", MATMUL_TYPES, ids=lambda t: t.name)
@@ -151,8 +152,7 @@ def test_matmul_every_type_and_isa(qtype, isa):
             assert err <= TOL, (qtype.name, isa, m, n, k, err)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, T.IQ4_NL, T.IQ4_XS],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, *IQ_TYPES], ids=lambda t: t.name)
 def test_matmul_every_token_tile(qtype, isa):
     """Every token count up to two full tiles and a remainder (the SIMD kernels decode a weight
     block once for up to 8 tokens), against the exact product of the quantized activations.
@@ -236,7 +236,7 @@ def test_dequantize_bit_identical(qtype):
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
 def test_iq_dequantize_every_isa(qtype, isa):
-    """The IQ types dequantize with pshufb where the ISA has AVX2, portably on scalar: same bits."""
+    """The IQ types dequantize to the same bits whatever the ISA (IQ4 with pshufb where it has AVX2)."""
     w = qt(qtype, (40, 512), seed=int(qtype) + 1)
     want = ref_dequantize(w)
     assert torch.equal(native.dequantize(w).view(torch.int32), want.view(torch.int32)), isa
@@ -253,15 +253,15 @@ def test_dequantize_expert_tensor_and_errors():
     with pytest.raises(ValueError, match="dtype"):
         native.dequantize(w[0], torch.float16)
     with pytest.raises(ValueError, match="unsupported"):
-        native.dequantize(QuantTensor("iq", int(T.IQ2_XXS), (1, 256), np.zeros((1, 66), np.uint8)))
+        native.dequantize(QuantTensor("iq", int(T.IQ2_XS), (1, 256), np.zeros((1, 74), np.uint8)))
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
 
 D, FFN, E, K = 512, 256, 6, 2
 # Scale per unit of the fp16 d: the IQ4 codes are O(50) (IQ4_XS's sub-block scales O(16) on top),
-# the other types' quants O(10).
-TAME_SCALE = {T.IQ4_NL: 1e-3, T.IQ4_XS: 6e-5}
+# IQ2_XXS's and IQ3_XXS's values O(50) and O(100) per unit of d, the other types' quants O(10).
+TAME_SCALE = {T.IQ4_NL: 1e-3, T.IQ4_XS: 6e-5, T.IQ2_XXS: 1e-3, T.IQ3_XXS: 4e-4}
 
 
 def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), seed: int = 0) -> dict[int, ExpertFFN]:
@@ -373,10 +373,10 @@ def test_moe_silu_q8_and_mixed_types_against_kernels_moe():
     assert rel_l2(got, moe_forward(x, ids, weights, experts).double()) <= MOE_TOL  # the torch path
 
 
-@pytest.mark.parametrize("types", [(T.IQ4_XS, T.IQ4_XS, T.IQ4_NL), (T.IQ4_NL, T.IQ4_NL, T.IQ4_XS)],
-                         ids=lambda ts: "-".join(t.name for t in ts))
-def test_moe_iq4_types_every_isa(types, isa):
-    """The IQ4 kernels inside the MoE layer (the intermediate activations quantized by the layer
+@pytest.mark.parametrize("types", [(T.IQ4_XS, T.IQ4_XS, T.IQ4_NL), (T.IQ4_NL, T.IQ4_NL, T.IQ4_XS),
+                                   (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS)], ids=lambda ts: "-".join(t.name for t in ts))
+def test_moe_iq_types_every_isa(types, isa):
+    """The IQ kernels inside the MoE layer (the intermediate activations quantized by the layer
     itself), decode and an 8-token tile and a remainder, on every ISA."""
     experts = make_experts(ACT_SILU, False, types=types, seed=6)
     layer = native.MoELayer(experts, E)
