@@ -31,7 +31,7 @@ from splitmoe.kernels.quants import QuantTensor, dequantize, supported_types
 
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: (), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
-               T.IQ2_XXS: (0,), T.IQ3_XXS: (0,)}
+               T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,)}
 
 
 def torch_dequantize(w: QuantTensor) -> torch.Tensor:
@@ -124,8 +124,8 @@ def bench_moe(tokens: list[int], hosted: int, torch_baseline: bool, rows: list) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m splitmoe.bench.kernels_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS", "IQ3_XXS",
-                                                  "IQ2_XXS"])
+    p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS", "IQ3_S",
+                                                  "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS"])
     p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows (tokens)")
     p.add_argument("--n", type=int, default=768, help="weight rows per matrix")
     p.add_argument("--k", type=int, default=2048, help="weight columns")

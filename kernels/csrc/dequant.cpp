@@ -151,15 +151,19 @@ __attribute__((target("avx2"))) void dq_iq4_xs_avx2(const uint8_t* b, float* y) 
 }
 #endif
 
-// IQ2_XXS / IQ3_XXS: gguf-py's order, db = d * (1/2 + ls) * (1/4 | 1/2), then db * grid, signed
-// (db times the signed value: float multiplication rounds symmetrically, so the same bits).
-template <bool IQ3>
-void dq_iq_xxs(const uint8_t* b, float* y) {
+// The 2- and 3-bit IQ formats: the per-16 scale as gguf-py computes it, times the signed value
+// (float multiplication rounds symmetrically: the same bits as gguf-py's scale * grid * sign).
+template <class F>
+void dq_iq(const uint8_t* b, float* y) {
     const float d = ld_fp16(b);
     int8_t v[32];
+    int s[2];
     for (int ib = 0; ib < 8; ++ib) {
-        const float db = d * (0.5f + float(iq_xxs_values<IQ3>(b, ib, v))) * (IQ3 ? 0.5f : 0.25f);
-        for (int l = 0; l < 32; ++l) y[32 * ib + l] = db * float(v[l]);
+        F::values(b, ib, v, s);
+        for (int h = 0; h < 2; ++h) {
+            const float db = F::dq(d, s[h]);
+            for (int l = 16 * h; l < 16 * h + 16; ++l) y[32 * ib + l] = db * float(v[l]);
+        }
     }
 }
 void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
@@ -203,8 +207,11 @@ BlockFn block_fn(int type) {
         case T_IQ4_NL: return dq_iq4_nl;
         case T_IQ4_XS: return dq_iq4_xs;
 #endif
-        case T_IQ2_XXS: return dq_iq_xxs<false>;
-        case T_IQ3_XXS: return dq_iq_xxs<true>;
+        case T_IQ2_XXS: return dq_iq<IQ2XXS>;
+        case T_IQ2_XS: return dq_iq<IQ2XS>;
+        case T_IQ2_S: return dq_iq<IQ2S>;
+        case T_IQ3_XXS: return dq_iq<IQ3XXS>;
+        case T_IQ3_S: return dq_iq<IQ3S>;
         default: return nullptr;
     }
 }

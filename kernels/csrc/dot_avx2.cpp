@@ -237,57 +237,96 @@ void iq4xs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
     for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
 }
 
-// IQ2_XXS / IQ3_XXS: per 32 values, grid entries (unsigned magnitudes) gathered by index from
-// general registers, a sign mask per 8 values moved onto the activation ((a ^ m) - m), and the
-// odd scale 2 ls + 1 applied by the int16 madd (|maddubs| <= 2 * 62 * 127; times 31 fits int32).
-// The AVX-512 ISAs use these too: there is no wider lookup for a 256- or 512-entry grid.
+// The 2- and 3-bit IQ formats (iq_grids.h): per 32 values, grid entries (unsigned magnitudes)
+// gathered by index from general registers, a sign mask per 8 values moved onto the activation
+// ((a ^ m) - m), and the odd scales 2 s + 1 (per 16 values) applied by the int16 madd
+// (|maddubs| <= 2 * 62 * 127; times 31 fits int32). The AVX-512 ISAs use these too: there is no
+// wider lookup for a 256- to 1024-entry grid.
+inline long long ll(uint64_t x) { return static_cast<long long>(x); }
+inline __m256i odd_scales(int s0, int s1) {
+    return _mm256_set_m128i(_mm_set1_epi16(short(2 * s1 + 1)), _mm_set1_epi16(short(2 * s0 + 1)));
+}
+inline __m256i masks4(const uint64_t* t, unsigned i0, unsigned i1, unsigned i2, unsigned i3) {
+    return _mm256_set_epi64x(ll(t[i3]), ll(t[i2]), ll(t[i1]), ll(t[i0]));
+}
+inline __m256i grid4x2(const uint32_t* g, const int* idx) {  // 8 grid entries of 4 values
+    return _mm256_set_epi32(int(g[idx[7]]), int(g[idx[6]]), int(g[idx[5]]), int(g[idx[4]]),
+                            int(g[idx[3]]), int(g[idx[2]]), int(g[idx[1]]), int(g[idx[0]]));
+}
 struct X_IQ2_XXS {
-    static constexpr int BYTES = 66;
-    static constexpr float DS = 0.125f;  // d * (ls + 1/2) / 4 = d / 8 * (2 ls + 1)
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, int& sc) {
+    using F = IQ2XXS;
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
         const uint8_t* q = b + 2 + 8 * ib;
         const uint32_t sg = ld_u32(q + 4);
-        W = _mm256_set_epi64x(static_cast<long long>(kIq2xxsGrid[q[3]]), static_cast<long long>(kIq2xxsGrid[q[2]]),
-                              static_cast<long long>(kIq2xxsGrid[q[1]]), static_cast<long long>(kIq2xxsGrid[q[0]]));
-        S = _mm256_set_epi64x(static_cast<long long>(kSignMasks.m[(sg >> 21) & 127]), static_cast<long long>(kSignMasks.m[(sg >> 14) & 127]),
-                              static_cast<long long>(kSignMasks.m[(sg >> 7) & 127]), static_cast<long long>(kSignMasks.m[sg & 127]));
-        sc = 2 * int(sg >> 28) + 1;
+        W = masks4(kIq2xxsGrid, q[0], q[1], q[2], q[3]);
+        S = masks4(kSignMasks.m, sg & 127, (sg >> 7) & 127, (sg >> 14) & 127, (sg >> 21) & 127);
+        S16 = odd_scales(int(sg >> 28), int(sg >> 28));
+    }
+};
+struct X_IQ2_XS {
+    using F = IQ2XS;
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
+        uint16_t u[4];
+        std::memcpy(u, b + 2 + 8 * ib, 8);
+        W = masks4(kIq2xsGrid, u[0] & 511, u[1] & 511, u[2] & 511, u[3] & 511);
+        S = masks4(kSignMasks.m, u[0] >> 9, u[1] >> 9, u[2] >> 9, u[3] >> 9);
+        S16 = odd_scales(b[66 + ib] & 15, b[66 + ib] >> 4);
+    }
+};
+struct X_IQ2_S {
+    using F = IQ2S;
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
+        const uint8_t* q = b + 2 + 4 * ib;
+        const unsigned qh = b[66 + ib];
+        W = masks4(kIq2sGrid, q[0] | (qh & 3) << 8, q[1] | ((qh >> 2) & 3) << 8, q[2] | ((qh >> 4) & 3) << 8,
+                   q[3] | (qh >> 6) << 8);
+        S = bits_to_bytes(ld_u32(b + 34 + 4 * ib));
+        S16 = odd_scales(b[74 + ib] & 15, b[74 + ib] >> 4);
     }
 };
 struct X_IQ3_XXS {
-    static constexpr int BYTES = 98;
-    static constexpr float DS = 0.25f;  // d * (ls + 1/2) / 2 = d / 4 * (2 ls + 1)
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, int& sc) {
+    using F = IQ3XXS;
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
         const uint8_t* q = b + 2 + 8 * ib;
         const uint32_t sg = ld_u32(b + 66 + 4 * ib);
-        W = _mm256_set_epi32(int(kIq3xxsGrid[q[7]]), int(kIq3xxsGrid[q[6]]), int(kIq3xxsGrid[q[5]]), int(kIq3xxsGrid[q[4]]),
-                             int(kIq3xxsGrid[q[3]]), int(kIq3xxsGrid[q[2]]), int(kIq3xxsGrid[q[1]]), int(kIq3xxsGrid[q[0]]));
-        S = _mm256_set_epi64x(static_cast<long long>(kSignMasks.m[(sg >> 21) & 127]), static_cast<long long>(kSignMasks.m[(sg >> 14) & 127]),
-                              static_cast<long long>(kSignMasks.m[(sg >> 7) & 127]), static_cast<long long>(kSignMasks.m[sg & 127]));
-        sc = 2 * int(sg >> 28) + 1;
+        const int idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+        W = grid4x2(kIq3xxsGrid, idx);
+        S = masks4(kSignMasks.m, sg & 127, (sg >> 7) & 127, (sg >> 14) & 127, (sg >> 21) & 127);
+        S16 = odd_scales(int(sg >> 28), int(sg >> 28));
+    }
+};
+struct X_IQ3_S {
+    using F = IQ3S;
+    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
+        const uint8_t* q = b + 2 + 8 * ib;
+        const int qh = b[66 + ib];
+        int idx[8];
+        for (int l = 0; l < 8; ++l) idx[l] = q[l] | ((qh >> l) & 1) << 8;
+        W = grid4x2(kIq3sGrid, idx);
+        S = bits_to_bytes(ld_u32(b + 74 + 4 * ib));
+        const int sc = (b[106 + ib / 2] >> (4 * (ib & 1))) & 15;
+        S16 = odd_scales(sc, sc);
     }
 };
 template <class X, int NT>
-void iq_xxs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
+void iq_grid_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
     __m256 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; ++sb) {
-        const uint8_t* b = row + size_t(sb) * X::BYTES;
-        prefetch_block(b, X::BYTES);
+        const uint8_t* b = row + size_t(sb) * X::F::BYTES;
+        prefetch_block(b, X::F::BYTES);
         __m256 sacc[NT];
         for (int t = 0; t < NT; ++t) sacc[t] = _mm256_setzero_ps();
         for (int ib = 0; ib < 8; ++ib) {
-            __m256i W, S;
-            int sc;
-            X::dec(b, ib, W, S, sc);
-            const __m256i S16 = _mm256_set1_epi16(short(sc));
+            __m256i W, S, S16;
+            X::dec(b, ib, W, S, S16);
             for (int t = 0; t < NT; ++t) {
                 const __m256i a = ld256(A[t].q + size_t(sb) * 256 + 32 * ib);
                 const __m256i i32 = _mm256_madd_epi16(_mm256_maddubs_epi16(W, _mm256_sub_epi8(_mm256_xor_si256(a, S), S)), S16);
                 sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(A[t].d + size_t(sb) * 8 + ib), sacc[t]);
             }
         }
-        const __m256 dv = _mm256_set1_ps(half(b) * X::DS);
+        const __m256 dv = _mm256_set1_ps(half(b) * X::F::DS);
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], dv, acc[t]);
     }
     for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
@@ -295,7 +334,7 @@ void iq_xxs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
 
 template <bool Q5> struct TK45 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { k45_tile<Q5, NT>(r, k / 256, a, o); } };
 struct TIQ4XS { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq4xs_tile<NT>(r, k / 256, a, o); } };
-template <class X> struct TIQX { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq_xxs_tile<X, NT>(r, k / 256, a, o); } };
+template <class X> struct TIQX { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq_grid_tile<X, NT>(r, k / 256, a, o); } };
 struct TQ6 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { q6k_tile<NT>(r, k / 256, a, o); } };
 template <class Tl>
 void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
@@ -423,7 +462,10 @@ void smk::init_avx2(Kernels& K) {
     K.dot[T_IQ4_NL] = rows<TBlk<D_IQ4_NL>>;
     K.dot[T_IQ4_XS] = rows<TIQ4XS>;
     K.dot[T_IQ2_XXS] = rows<TIQX<X_IQ2_XXS>>;
+    K.dot[T_IQ2_XS] = rows<TIQX<X_IQ2_XS>>;
+    K.dot[T_IQ2_S] = rows<TIQX<X_IQ2_S>>;
     K.dot[T_IQ3_XXS] = rows<TIQX<X_IQ3_XXS>>;
+    K.dot[T_IQ3_S] = rows<TIQX<X_IQ3_S>>;
 }
 
 #endif  // x86

@@ -29,8 +29,11 @@ TypeInfo type_info(int type) {
         case T_Q6_K: return {256, 210};
         case T_IQ4_NL: return {32, 18};
         case T_IQ4_XS: return {256, 136};
-        case T_IQ2_XXS: return {256, 66};
-        case T_IQ3_XXS: return {256, 98};
+        case T_IQ2_XXS: return {256, IQ2XXS::BYTES};
+        case T_IQ2_XS: return {256, IQ2XS::BYTES};
+        case T_IQ2_S: return {256, IQ2S::BYTES};
+        case T_IQ3_XXS: return {256, IQ3XXS::BYTES};
+        case T_IQ3_S: return {256, IQ3S::BYTES};
         default: return {0, 0};
     }
 }
@@ -160,14 +163,16 @@ struct DecIQ4_XS {
         b.D = ld_fp16(p); b.M = 0.f;
     }
 };
-// IQ2_XXS / IQ3_XXS (iq_grids.h): value = d * (ls + 1/2) / 4 (IQ3_XXS: / 2) * v
-// = d / 8 (/ 4) * (2 ls + 1) * v.
-template <bool IQ3>
-struct DecIQ_XXS {
+// The 2- and 3-bit IQ formats (iq_grids.h): value = d * DS * (2 s + 1) * v.
+template <class F>
+struct DecIQ {
     static void dec(const uint8_t* row, int j, Block32& b) {
-        const uint8_t* p = row + (j / 8) * (IQ3 ? 98 : 66);
-        b.isc[0] = b.isc[1] = 2 * iq_xxs_values<IQ3>(p, j % 8, b.v) + 1;
-        b.D = ld_fp16(p) * (IQ3 ? 0.25f : 0.125f); b.M = 0.f;
+        const uint8_t* p = row + (j / 8) * F::BYTES;
+        int s[2];
+        F::values(p, j % 8, b.v, s);
+        b.isc[0] = 2 * s[0] + 1;
+        b.isc[1] = 2 * s[1] + 1;
+        b.D = ld_fp16(p) * F::DS; b.M = 0.f;
     }
 };
 template <bool Q5>
@@ -246,8 +251,11 @@ void init_scalar(Kernels& K) {
     K.dot[T_Q6_K] = dot_rows<DecQ6_K>;
     K.dot[T_IQ4_NL] = dot_rows<DecIQ4_NL>;
     K.dot[T_IQ4_XS] = dot_rows<DecIQ4_XS>;
-    K.dot[T_IQ2_XXS] = dot_rows<DecIQ_XXS<false>>;
-    K.dot[T_IQ3_XXS] = dot_rows<DecIQ_XXS<true>>;
+    K.dot[T_IQ2_XXS] = dot_rows<DecIQ<IQ2XXS>>;
+    K.dot[T_IQ2_XS] = dot_rows<DecIQ<IQ2XS>>;
+    K.dot[T_IQ2_S] = dot_rows<DecIQ<IQ2S>>;
+    K.dot[T_IQ3_XXS] = dot_rows<DecIQ<IQ3XXS>>;
+    K.dot[T_IQ3_S] = dot_rows<DecIQ<IQ3S>>;
 }
 
 }  // namespace smk
