@@ -159,7 +159,7 @@ void dq_iq(const uint8_t* b, float* y) {
     int8_t v[32];
     int s[2];
     for (int ib = 0; ib < 8; ++ib) {
-        F::values(b, ib, v, s);
+        iq_values<F>(b, ib, v, s);
         for (int h = 0; h < 2; ++h) {
             const float db = F::dq(d, s[h]);
             for (int l = 16 * h; l < 16 * h + 16; ++l) y[32 * ib + l] = db * float(v[l]);

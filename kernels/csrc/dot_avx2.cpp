@@ -243,90 +243,35 @@ void iq4xs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
 // (|maddubs| <= 2 * 62 * 127; times 31 fits int32). The AVX-512 ISAs use these too: there is no
 // wider lookup for a 256- to 1024-entry grid.
 inline long long ll(uint64_t x) { return static_cast<long long>(x); }
-inline __m256i odd_scales(int s0, int s1) {
-    return _mm256_set_m128i(_mm_set1_epi16(short(2 * s1 + 1)), _mm_set1_epi16(short(2 * s0 + 1)));
+template <class F>
+inline void iq_block(const uint8_t* b, int s, __m256i& W, __m256i& S, __m256i& S16) {
+    W = _mm256_set_epi64x(ll(F::grid(b, s, 3)), ll(F::grid(b, s, 2)), ll(F::grid(b, s, 1)), ll(F::grid(b, s, 0)));
+    S = _mm256_set_epi64x(ll(kByteMasks.m[F::sign(b, s, 3)]), ll(kByteMasks.m[F::sign(b, s, 2)]),
+                          ll(kByteMasks.m[F::sign(b, s, 1)]), ll(kByteMasks.m[F::sign(b, s, 0)]));
+    int s2[2];
+    F::scales(b, s, s2);
+    S16 = _mm256_set_m128i(_mm_set1_epi16(short(2 * s2[1] + 1)), _mm_set1_epi16(short(2 * s2[0] + 1)));
 }
-inline __m256i masks4(const uint64_t* t, unsigned i0, unsigned i1, unsigned i2, unsigned i3) {
-    return _mm256_set_epi64x(ll(t[i3]), ll(t[i2]), ll(t[i1]), ll(t[i0]));
-}
-inline __m256i grid4x2(const uint32_t* g, const int* idx) {  // 8 grid entries of 4 values
-    return _mm256_set_epi32(int(g[idx[7]]), int(g[idx[6]]), int(g[idx[5]]), int(g[idx[4]]),
-                            int(g[idx[3]]), int(g[idx[2]]), int(g[idx[1]]), int(g[idx[0]]));
-}
-struct X_IQ2_XXS {
-    using F = IQ2XXS;
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
-        const uint8_t* q = b + 2 + 8 * ib;
-        const uint32_t sg = ld_u32(q + 4);
-        W = masks4(kIq2xxsGrid, q[0], q[1], q[2], q[3]);
-        S = masks4(kSignMasks.m, sg & 127, (sg >> 7) & 127, (sg >> 14) & 127, (sg >> 21) & 127);
-        S16 = odd_scales(int(sg >> 28), int(sg >> 28));
-    }
-};
-struct X_IQ2_XS {
-    using F = IQ2XS;
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
-        uint16_t u[4];
-        std::memcpy(u, b + 2 + 8 * ib, 8);
-        W = masks4(kIq2xsGrid, u[0] & 511, u[1] & 511, u[2] & 511, u[3] & 511);
-        S = masks4(kSignMasks.m, u[0] >> 9, u[1] >> 9, u[2] >> 9, u[3] >> 9);
-        S16 = odd_scales(b[66 + ib] & 15, b[66 + ib] >> 4);
-    }
-};
-struct X_IQ2_S {
-    using F = IQ2S;
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
-        const uint8_t* q = b + 2 + 4 * ib;
-        const unsigned qh = b[66 + ib];
-        W = masks4(kIq2sGrid, q[0] | (qh & 3) << 8, q[1] | ((qh >> 2) & 3) << 8, q[2] | ((qh >> 4) & 3) << 8,
-                   q[3] | (qh >> 6) << 8);
-        S = bits_to_bytes(ld_u32(b + 34 + 4 * ib));
-        S16 = odd_scales(b[74 + ib] & 15, b[74 + ib] >> 4);
-    }
-};
-struct X_IQ3_XXS {
-    using F = IQ3XXS;
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
-        const uint8_t* q = b + 2 + 8 * ib;
-        const uint32_t sg = ld_u32(b + 66 + 4 * ib);
-        const int idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
-        W = grid4x2(kIq3xxsGrid, idx);
-        S = masks4(kSignMasks.m, sg & 127, (sg >> 7) & 127, (sg >> 14) & 127, (sg >> 21) & 127);
-        S16 = odd_scales(int(sg >> 28), int(sg >> 28));
-    }
-};
-struct X_IQ3_S {
-    using F = IQ3S;
-    static void dec(const uint8_t* b, int ib, __m256i& W, __m256i& S, __m256i& S16) {
-        const uint8_t* q = b + 2 + 8 * ib;
-        const int qh = b[66 + ib];
-        int idx[8];
-        for (int l = 0; l < 8; ++l) idx[l] = q[l] | ((qh >> l) & 1) << 8;
-        W = grid4x2(kIq3sGrid, idx);
-        S = bits_to_bytes(ld_u32(b + 74 + 4 * ib));
-        const int sc = (b[106 + ib / 2] >> (4 * (ib & 1))) & 15;
-        S16 = odd_scales(sc, sc);
-    }
-};
-template <class X, int NT>
+
+template <class F, int NT>
 void iq_grid_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
     __m256 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; ++sb) {
-        const uint8_t* b = row + size_t(sb) * X::F::BYTES;
-        prefetch_block(b, X::F::BYTES);
+        const uint8_t* b = row + size_t(sb) * F::BYTES;
+        prefetch_block(b, F::BYTES);
         __m256 sacc[NT];
         for (int t = 0; t < NT; ++t) sacc[t] = _mm256_setzero_ps();
         for (int ib = 0; ib < 8; ++ib) {
             __m256i W, S, S16;
-            X::dec(b, ib, W, S, S16);
+            iq_block<F>(b, ib, W, S, S16);
             for (int t = 0; t < NT; ++t) {
                 const __m256i a = ld256(A[t].q + size_t(sb) * 256 + 32 * ib);
                 const __m256i i32 = _mm256_madd_epi16(_mm256_maddubs_epi16(W, _mm256_sub_epi8(_mm256_xor_si256(a, S), S)), S16);
                 sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(A[t].d + size_t(sb) * 8 + ib), sacc[t]);
             }
         }
-        const __m256 dv = _mm256_set1_ps(half(b) * X::F::DS);
+        const __m256 dv = _mm256_set1_ps(half(b) * F::DS);
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], dv, acc[t]);
     }
     for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
@@ -334,7 +279,7 @@ void iq_grid_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
 
 template <bool Q5> struct TK45 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { k45_tile<Q5, NT>(r, k / 256, a, o); } };
 struct TIQ4XS { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq4xs_tile<NT>(r, k / 256, a, o); } };
-template <class X> struct TIQX { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq_grid_tile<X, NT>(r, k / 256, a, o); } };
+template <class F> struct TIQX { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq_grid_tile<F, NT>(r, k / 256, a, o); } };
 struct TQ6 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { q6k_tile<NT>(r, k / 256, a, o); } };
 template <class Tl>
 void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
@@ -461,11 +406,11 @@ void smk::init_avx2(Kernels& K) {
     K.dot[T_MXFP4] = rows<TBlk<D_MXFP4>>;
     K.dot[T_IQ4_NL] = rows<TBlk<D_IQ4_NL>>;
     K.dot[T_IQ4_XS] = rows<TIQ4XS>;
-    K.dot[T_IQ2_XXS] = rows<TIQX<X_IQ2_XXS>>;
-    K.dot[T_IQ2_XS] = rows<TIQX<X_IQ2_XS>>;
-    K.dot[T_IQ2_S] = rows<TIQX<X_IQ2_S>>;
-    K.dot[T_IQ3_XXS] = rows<TIQX<X_IQ3_XXS>>;
-    K.dot[T_IQ3_S] = rows<TIQX<X_IQ3_S>>;
+    K.dot[T_IQ2_XXS] = rows<TIQX<IQ2XXS>>;
+    K.dot[T_IQ2_XS] = rows<TIQX<IQ2XS>>;
+    K.dot[T_IQ2_S] = rows<TIQX<IQ2S>>;
+    K.dot[T_IQ3_XXS] = rows<TIQX<IQ3XXS>>;
+    K.dot[T_IQ3_S] = rows<TIQX<IQ3S>>;
 }
 
 #endif  // x86

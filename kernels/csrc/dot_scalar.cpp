@@ -169,7 +169,7 @@ struct DecIQ {
     static void dec(const uint8_t* row, int j, Block32& b) {
         const uint8_t* p = row + (j / 8) * F::BYTES;
         int s[2];
-        F::values(p, j % 8, b.v, s);
+        iq_values<F>(p, j % 8, b.v, s);
         b.isc[0] = 2 * s[0] + 1;
         b.isc[1] = 2 * s[1] + 1;
         b.D = ld_fp16(p) * F::DS; b.M = 0.f;

@@ -588,18 +588,7 @@ inline constexpr uint8_t kKsigns[128] = {
     0xf0, 0x71, 0x72, 0xf3, 0x74, 0xf5, 0xf6, 0x77, 0x78, 0xf9, 0xfa, 0x7b, 0xfc, 0x7d, 0x7e, 0xff,
 };
 
-// kKsigns as byte masks: byte j 0xff where value j is negative (a conditional negate in SIMD).
-struct SignMasks {
-    uint64_t m[128];
-    constexpr SignMasks() : m() {
-        for (int i = 0; i < 128; ++i)
-            for (int j = 0; j < 8; ++j)
-                if ((kKsigns[i] >> j) & 1) m[i] |= uint64_t(0xff) << (8 * j);
-    }
-};
-inline constexpr SignMasks kSignMasks{};
-
-// Any 8 bits as byte masks: byte j 0xff where bit j is set (IQ2_S's and IQ3_S's explicit signs).
+// 8 sign bits as byte masks: byte j 0xff where bit j is set (a conditional negate in SIMD).
 struct ByteMasks {
     uint64_t m[256];
     constexpr ByteMasks() : m() {
@@ -613,93 +602,79 @@ inline constexpr ByteMasks kByteMasks{};
 // g (8 magnitudes, 0 < g < 128) negated in the bytes where m is 0xff: (g ^ m) + 1 there, no carry.
 inline uint64_t iq_signed(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101010101010101ull); }
 
-// The 2- and 3-bit formats, a 256-value super-block of BYTES at b: values(b, ib, v, s) gives the 32
-// values of sub-block ib (0..7) as int8 (grid magnitude times sign) and the 4-bit scales s[0] of
-// values 0-15 and s[1] of 16-31. Every format's value is d * DS * (2 s + 1) * v; dq(d, s) is that
-// scale the way gguf-py computes it (dequantization must match it bit for bit).
-// IQ2_XXS: per 32 values 8 bytes at 2 + 8 ib: 4 grid indices (8 values each), then a u32 of 4 x 7
-// sign bits (8 values each) and the scale on top.
+// The 2- and 3-bit formats, a 256-value super-block of BYTES at b, 8 blocks of 32 values, each
+// 4 groups of 8: grid(b, s, c) gives the 8 magnitudes of group c of block s (little-endian bytes),
+// sign(b, s, c) their sign bits (bit j: value j negative), scales(b, s, s2) the 4-bit scales of the
+// block's values 0-15 and 16-31. Every format's value is d * DS * (2 s + 1) * magnitude * sign;
+// dq(d, s) is that scale the way gguf-py computes it (dequantization must match it bit for bit).
+// The scalar, AVX2 and AVX-512 kernels and the dequantization all decode through these.
+// IQ2_XXS: per block 8 bytes at 2 + 8 s: 4 grid indices, then a u32 of 4 x 7 sign bits (kKsigns)
+// and the scale on top.
 struct IQ2XXS {
     static constexpr int BYTES = 66;
     static constexpr float DS = 0.125f;
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.25f; }
-    static void values(const uint8_t* b, int ib, int8_t* v, int* s) {
-        const uint8_t* q = b + 2 + 8 * ib;
-        const uint32_t sg = ld_u32(q + 4);
-        for (int l = 0; l < 4; ++l) {
-            const uint64_t x = iq_signed(kIq2xxsGrid[q[l]], kSignMasks.m[(sg >> (7 * l)) & 127]);
-            std::memcpy(v + 8 * l, &x, 8);
-        }
-        s[0] = s[1] = int(sg >> 28);
-    }
+    static uint64_t grid(const uint8_t* b, int s, int c) { return kIq2xxsGrid[b[2 + 8 * s + c]]; }
+    static unsigned sign(const uint8_t* b, int s, int c) { return kKsigns[(ld_u32(b + 6 + 8 * s) >> (7 * c)) & 127]; }
+    static void scales(const uint8_t* b, int s, int* s2) { s2[0] = s2[1] = int(ld_u32(b + 6 + 8 * s) >> 28); }
 };
-// IQ2_XS: per 8 values a u16 at 2 + 2 (4 ib + l): 9-bit grid index, 7 sign bits on top; the two
-// scales of sub-block ib in the nibbles of byte 66 + ib.
+// IQ2_XS: per group a u16 at 2 + 8 s + 2 c: 9-bit grid index, 7 sign bits (kKsigns) on top; the
+// block's two scales in the nibbles of byte 66 + s.
 struct IQ2XS {
     static constexpr int BYTES = 74;
     static constexpr float DS = 0.125f;
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.25f; }
-    static void values(const uint8_t* b, int ib, int8_t* v, int* s) {
-        for (int l = 0; l < 4; ++l) {
-            const unsigned u = unsigned(b[2 + 8 * ib + 2 * l]) | unsigned(b[3 + 8 * ib + 2 * l]) << 8;
-            const uint64_t x = iq_signed(kIq2xsGrid[u & 511], kSignMasks.m[u >> 9]);
-            std::memcpy(v + 8 * l, &x, 8);
-        }
-        s[0] = b[66 + ib] & 15;
-        s[1] = b[66 + ib] >> 4;
-    }
+    static unsigned u16(const uint8_t* b, int s, int c) { return unsigned(b[2 + 8 * s + 2 * c]) | unsigned(b[3 + 8 * s + 2 * c]) << 8; }
+    static uint64_t grid(const uint8_t* b, int s, int c) { return kIq2xsGrid[u16(b, s, c) & 511]; }
+    static unsigned sign(const uint8_t* b, int s, int c) { return kKsigns[u16(b, s, c) >> 9]; }
+    static void scales(const uint8_t* b, int s, int* s2) { s2[0] = b[66 + s] & 15; s2[1] = b[66 + s] >> 4; }
 };
-// IQ2_S: grid index low bytes at 2 + 4 ib + l, their top 2 bits in byte 66 + ib (bits 2l, 2l + 1),
-// one sign byte per 8 values at 34 + 4 ib + l, the two scales in the nibbles of byte 74 + ib.
+// IQ2_S: grid index low bytes at 2 + 4 s + c, their top 2 bits in byte 66 + s (bits 2c, 2c + 1),
+// one sign byte per group at 34 + 4 s + c, the two scales in the nibbles of byte 74 + s.
 struct IQ2S {
     static constexpr int BYTES = 82;
     static constexpr float DS = 0.125f;
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.25f; }
-    static void values(const uint8_t* b, int ib, int8_t* v, int* s) {
-        const int qh = b[66 + ib];
-        for (int l = 0; l < 4; ++l) {
-            const int idx = b[2 + 4 * ib + l] | ((qh >> (2 * l)) & 3) << 8;
-            const uint64_t x = iq_signed(kIq2sGrid[idx], kByteMasks.m[b[34 + 4 * ib + l]]);
-            std::memcpy(v + 8 * l, &x, 8);
-        }
-        s[0] = b[74 + ib] & 15;
-        s[1] = b[74 + ib] >> 4;
-    }
+    static uint64_t grid(const uint8_t* b, int s, int c) { return kIq2sGrid[b[2 + 4 * s + c] | ((b[66 + s] >> (2 * c)) & 3) << 8]; }
+    static unsigned sign(const uint8_t* b, int s, int c) { return b[34 + 4 * s + c]; }
+    static void scales(const uint8_t* b, int s, int* s2) { s2[0] = b[74 + s] & 15; s2[1] = b[74 + s] >> 4; }
 };
-// IQ3_XXS: 8 grid index bytes (4 values each) at 2 + 8 ib; at 66 + 4 ib a u32 of 4 x 7 sign bits
-// (8 values each) and the scale on top.
+// IQ3_XXS: grid index bytes (4 values each, two per group) at 2 + 8 s + 2 c; at 66 + 4 s a u32 of
+// 4 x 7 sign bits (kKsigns) and the scale on top.
 struct IQ3XXS {
     static constexpr int BYTES = 98;
     static constexpr float DS = 0.25f;
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.5f; }
-    static void values(const uint8_t* b, int ib, int8_t* v, int* s) {
-        const uint8_t* q = b + 2 + 8 * ib;
-        const uint32_t sg = ld_u32(b + 66 + 4 * ib);
-        for (int l = 0; l < 4; ++l) {
-            const uint64_t g = uint64_t(kIq3xxsGrid[q[2 * l]]) | uint64_t(kIq3xxsGrid[q[2 * l + 1]]) << 32;
-            const uint64_t x = iq_signed(g, kSignMasks.m[(sg >> (7 * l)) & 127]);
-            std::memcpy(v + 8 * l, &x, 8);
-        }
-        s[0] = s[1] = int(sg >> 28);
+    static uint64_t grid(const uint8_t* b, int s, int c) {
+        const uint8_t* q = b + 2 + 8 * s + 2 * c;
+        return uint64_t(kIq3xxsGrid[q[0]]) | uint64_t(kIq3xxsGrid[q[1]]) << 32;
     }
+    static unsigned sign(const uint8_t* b, int s, int c) { return kKsigns[(ld_u32(b + 66 + 4 * s) >> (7 * c)) & 127]; }
+    static void scales(const uint8_t* b, int s, int* s2) { s2[0] = s2[1] = int(ld_u32(b + 66 + 4 * s) >> 28); }
 };
-// IQ3_S: grid index low bytes at 2 + 8 ib + l (4 values each), their 9th bits in byte 66 + ib
-// (bit l), one sign byte per 8 values at 74 + 4 ib + l, the scale in nibble ib of bytes 106-109.
+// IQ3_S: grid index low bytes at 2 + 8 s + i (4 values each, two per group), their 9th bits in
+// byte 66 + s (bit i), one sign byte per group at 74 + 4 s + c, the scale in nibble s of bytes 106-109.
 struct IQ3S {
     static constexpr int BYTES = 110;
     static constexpr float DS = 1.f;
     static float dq(float d, int s) { return d * float(1 + 2 * s); }
-    static void values(const uint8_t* b, int ib, int8_t* v, int* s) {
-        const int qh = b[66 + ib];
-        const uint8_t* q = b + 2 + 8 * ib;
-        for (int l = 0; l < 4; ++l) {
-            const uint64_t g = uint64_t(kIq3sGrid[q[2 * l] | ((qh >> (2 * l)) & 1) << 8]) |
-                               uint64_t(kIq3sGrid[q[2 * l + 1] | ((qh >> (2 * l + 1)) & 1) << 8]) << 32;
-            const uint64_t x = iq_signed(g, kByteMasks.m[b[74 + 4 * ib + l]]);
-            std::memcpy(v + 8 * l, &x, 8);
-        }
-        s[0] = s[1] = (b[106 + ib / 2] >> (4 * (ib & 1))) & 15;
+    static uint64_t grid(const uint8_t* b, int s, int c) {
+        const uint8_t* q = b + 2 + 8 * s + 2 * c;
+        const unsigned h = b[66 + s] >> (2 * c);
+        return uint64_t(kIq3sGrid[q[0] | (h & 1) << 8]) | uint64_t(kIq3sGrid[q[1] | (h & 2) << 7]) << 32;
     }
+    static unsigned sign(const uint8_t* b, int s, int c) { return b[74 + 4 * s + c]; }
+    static void scales(const uint8_t* b, int s, int* s2) { s2[0] = s2[1] = (b[106 + s / 2] >> (4 * (s & 1))) & 15; }
 };
+
+// The 32 values of block s as int8 (magnitude with its sign), and its two scales.
+template <class F>
+inline void iq_values(const uint8_t* b, int s, int8_t* v, int* s2) {
+    for (int c = 0; c < 4; ++c) {
+        const uint64_t x = iq_signed(F::grid(b, s, c), kByteMasks.m[F::sign(b, s, c)]);
+        std::memcpy(v + 8 * c, &x, 8);
+    }
+    F::scales(b, s, s2);
+}
 
 }  // namespace smk
