@@ -26,6 +26,7 @@ import threading
 from typing import Mapping
 
 import torch
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.int4pack import Int4Expert
@@ -50,6 +51,11 @@ log = logging.getLogger("splitmoe.kernels")
 # (AMX / AVX512-BF16) the GEMM is several times faster, so prefill takes over much earlier:
 # that value is an estimate, not a measurement.
 NATIVE_MAX_TOKENS = {torch.float32: 160, torch.bfloat16: 48}
+# The 2- and 3-bit IQ formats look up a grid entry per 8 weights, which the int8 kernel pays again for
+# every tile of 8 tokens: against native dequantization + float32 GEMM it wins up to about 16 tokens
+# (2-8x at one) and loses 2-4x at 64 (kernels_bench, one AMD EPYC core with AVX-512 VNNI). A layer
+# hosting such weights caps its threshold at this.
+NATIVE_MAX_TOKENS_BY_TYPE = {int(t): 16 for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)}
 # Pure-torch fallback: torch's int4 kernel vs dequantizing with kernels.quants (slow) + GEMM.
 INT4_MAX_TOKENS = 256
 
@@ -109,6 +115,9 @@ class FastMoELayer:
         self.compute_dtype = compute_dtype or gemm_dtype()
         if native_max_tokens is None:
             native_max_tokens = NATIVE_MAX_TOKENS.get(self.compute_dtype, NATIVE_MAX_TOKENS[torch.float32])
+            native_max_tokens = min([native_max_tokens] + [
+                NATIVE_MAX_TOKENS_BY_TYPE[int(w.ggml_type)] for f in self.ffns.values() for w in (f.gate, f.up, f.down)
+                if int(w.ggml_type) in NATIVE_MAX_TOKENS_BY_TYPE])
         self.native_max_tokens = native_max_tokens
         self.int4_max_tokens = int4_max_tokens
         native_experts = {e: f for e, f in self.ffns.items() if use_native and native_supports(f)}
