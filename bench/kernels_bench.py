@@ -8,8 +8,9 @@ where each token must stream every active weight once. Each timing cycles throug
 distinct matrices (--mb, default 64 MB, above the L3 of common servers) that the weights come
 from memory, not cache, as they would in a real model. The torch column is kernels.quants'
 dequantize plus a float32 matmul on the same matrices (gguf-py's numpy dequantize for the types
-kernels.quants lacks); the dq+mm column is the native dequantize plus the same matmul, the prefill
-route (kernels.linear), i.e. the fastest alternative to the int8 kernel. MoE rows time one whole layer
+kernels.quants lacks); the dq+mm column is the native dequantize plus one GEMM of the m rows in the
+GEMM dtype (kernels.cpu_features), the prefill route (kernels.linear, kernels.expert_kernels): where
+it beats the int8 kernel, prefill should take over. MoE rows time one whole layer
 (MoELayer.forward) of Qwen3-30B-A3B's shape: D=2048, ffn=768, top-8, Q4_K gate/up and Q6_K down,
 against kernels.moe.moe_forward.
 """
@@ -26,6 +27,7 @@ from gguf import quants as gq
 
 import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 from splitmoe.kernels import native
+from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.moe import ExpertFFN, moe_forward
 from splitmoe.kernels.quants import QuantTensor, dequantize, supported_types
 
@@ -78,14 +80,13 @@ def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_basel
     mats = [one] + [random_matrix(qtype, n, k, rng) for _ in range(count - 1)]
     nbytes = one.num_bytes
     torch_s = None
-    # dequantize dominates; m barely matters, so time it once (m=1)
     x1 = torch.randn(1, k)
-    if torch_baseline:
+    if torch_baseline:  # dequantize dominates; m barely matters, so time it once (m=1)
         it = iter(range(10**9))
         torch_s = timed(lambda: x1 @ torch_dequantize(mats[next(it) % count]).T, 0.3, 2)
-    buf = torch.empty(n, k)
+    gemm = gemm_dtype()  # the prefill route's: dequantize to it, then one GEMM
+    buf = torch.empty(n, k, dtype=gemm)
     it2 = iter(range(10**9))
-    dq_s = timed(lambda: x1 @ native.dequantize(mats[next(it2) % count], out=buf).T, 0.3, 2)
     for m in ms:
         x = torch.randn(m, k)
         out = torch.empty(m, n)
@@ -95,6 +96,8 @@ def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_basel
                 native.matmul(x, w, out)
 
         s = timed(run, 0.5) / count
+        xg = x.to(gemm)
+        dq_s = timed(lambda: xg @ native.dequantize(mats[next(it2) % count], gemm, out=buf).T, 0.2, 2)
         rows.append((qtype.name, f"{n}x{k}", m, s * 1e6, nbytes / s / 1e9, dq_s * 1e6,
                      None if torch_s is None else torch_s * 1e6, None if torch_s is None else nbytes / torch_s / 1e9))
 
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         native.set_num_threads(a.threads)
         torch.set_num_threads(a.threads)
     print(f"native ISA {native.isa()}, {native.get_num_threads()} native threads, torch {torch.get_num_threads()} "
-          f"threads; weights cycled: {a.mb:g} MB per timing")
+          f"threads; weights cycled: {a.mb:g} MB per timing; dq+mm GEMMs in {str(gemm_dtype()).removeprefix('torch.')}")
     rows: list = []
     for f in a.formats:
         bench_matmul(T[f], a.m, a.n, a.k, a.mb, not a.no_torch, rows)
