@@ -240,8 +240,7 @@ void iq4xs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
 // The 2- and 3-bit IQ formats (iq_grids.h): per 32 values, grid entries (unsigned magnitudes)
 // gathered by index from general registers, a sign mask per 8 values moved onto the activation
 // ((a ^ m) - m), and the odd scales 2 s + 1 (per 16 values) applied by the int16 madd
-// (|maddubs| <= 2 * 62 * 127; times 31 fits int32). The AVX-512 ISAs use these too: there is no
-// wider lookup for a 256- to 1024-entry grid.
+// (|maddubs| <= 2 * 62 * 127; times 31 fits int32).
 inline long long ll(uint64_t x) { return static_cast<long long>(x); }
 template <class F>
 inline void iq_block(const uint8_t* b, int s, __m256i& W, __m256i& S, __m256i& S16) {

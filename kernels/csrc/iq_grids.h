@@ -1,6 +1,7 @@
-// Code tables of the IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S formats, generated from gguf-py's
-// (gguf.quants: each class's grid after init_grid(), and IQ2_XXS.ksigns), the reference these
-// kernels are tested against:
+// The 2- and 3-bit IQ formats (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): their code tables and the
+// block decoders every kernel and the dequantization share (at the end).
+// The tables are generated from gguf-py's (gguf.quants: each class's grid after init_grid(), and
+// IQ2_XXS.ksigns), the reference these kernels are tested against:
 //   python -c "import gguf.quants as q; q.IQ2_XXS.init_grid(); print(q.IQ2_XXS.grid)"
 // Grid entries pack their values little-endian, one byte each (value j in byte j).
 #pragma once
