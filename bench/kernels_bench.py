@@ -7,7 +7,10 @@ GB/s counts the quantized weight bytes read per second: the number that matters 
 where each token must stream every active weight once. Each timing cycles through enough
 distinct matrices (--mb, default 64 MB, above the L3 of common servers) that the weights come
 from memory, not cache, as they would in a real model. The torch column is kernels.quants'
-dequantize plus a float32 matmul on the same matrices. MoE rows time one whole layer
+dequantize plus a float32 matmul on the same matrices (gguf-py's numpy dequantize for the types
+kernels.quants lacks); the dq+mm column is the native dequantize plus one GEMM of the m rows in the
+GEMM dtype (kernels.cpu_features), the prefill route (kernels.linear, kernels.expert_kernels): where
+it beats the int8 kernel, prefill should take over. MoE rows time one whole layer
 (MoELayer.forward) of Qwen3-30B-A3B's shape: D=2048, ffn=768, top-8, Q4_K gate/up and Q6_K down,
 against kernels.moe.moe_forward.
 """
@@ -20,14 +23,24 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
 
 import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 from splitmoe.kernels import native
+from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.moe import ExpertFFN, moe_forward
-from splitmoe.kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.quants import QuantTensor, dequantize, supported_types
 
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-               T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: ()}
+               T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: (), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+               T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,)}
+
+
+def torch_dequantize(w: QuantTensor) -> torch.Tensor:
+    """kernels.quants' dequantize, or gguf-py's for the types it lacks."""
+    if int(w.ggml_type) in supported_types():
+        return dequantize(w)
+    return torch.from_numpy(gq.dequantize(w.data, T(w.ggml_type)).reshape(w.shape))
 
 
 def random_matrix(qtype: T, n: int, k: int, rng: np.random.Generator, name: str = "w") -> QuantTensor:
@@ -67,10 +80,13 @@ def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_basel
     mats = [one] + [random_matrix(qtype, n, k, rng) for _ in range(count - 1)]
     nbytes = one.num_bytes
     torch_s = None
+    x1 = torch.randn(1, k)
     if torch_baseline:  # dequantize dominates; m barely matters, so time it once (m=1)
-        x1 = torch.randn(1, k)
         it = iter(range(10**9))
-        torch_s = timed(lambda: x1 @ dequantize(mats[next(it) % count]).T, 0.3, 2)
+        torch_s = timed(lambda: x1 @ torch_dequantize(mats[next(it) % count]).T, 0.3, 2)
+    gemm = gemm_dtype()  # the prefill route's: dequantize to it, then one GEMM
+    buf = torch.empty(n, k, dtype=gemm)
+    it2 = iter(range(10**9))
     for m in ms:
         x = torch.randn(m, k)
         out = torch.empty(m, n)
@@ -80,7 +96,9 @@ def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_basel
                 native.matmul(x, w, out)
 
         s = timed(run, 0.5) / count
-        rows.append((qtype.name, f"{n}x{k}", m, s * 1e6, nbytes / s / 1e9,
+        xg = x.to(gemm)
+        dq_s = timed(lambda: xg @ native.dequantize(mats[next(it2) % count], gemm, out=buf).T, 0.2, 2)
+        rows.append((qtype.name, f"{n}x{k}", m, s * 1e6, nbytes / s / 1e9, dq_s * 1e6,
                      None if torch_s is None else torch_s * 1e6, None if torch_s is None else nbytes / torch_s / 1e9))
 
 
@@ -103,13 +121,14 @@ def bench_moe(tokens: list[int], hosted: int, torch_baseline: bool, rows: list) 
             t0 = time.perf_counter()
             moe_forward(x, ids, w, experts)
             ts = time.perf_counter() - t0
-        rows.append((f"MoE layer ({len(active)} experts)", f"D{D} ffn{F}", t, s * 1e6, nbytes / s / 1e9,
+        rows.append((f"MoE layer ({len(active)} experts)", f"D{D} ffn{F}", t, s * 1e6, nbytes / s / 1e9, None,
                      None if ts is None else ts * 1e6, None if ts is None else nbytes / ts / 1e9))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m splitmoe.bench.kernels_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4"])
+    p.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4", "IQ4_NL", "IQ4_XS", "IQ3_S",
+                                                  "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS"])
     p.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows (tokens)")
     p.add_argument("--n", type=int, default=768, help="weight rows per matrix")
     p.add_argument("--k", type=int, default=2048, help="weight columns")
@@ -125,17 +144,19 @@ def main(argv: list[str] | None = None) -> None:
         native.set_num_threads(a.threads)
         torch.set_num_threads(a.threads)
     print(f"native ISA {native.isa()}, {native.get_num_threads()} native threads, torch {torch.get_num_threads()} "
-          f"threads; weights cycled: {a.mb:g} MB per timing")
+          f"threads; weights cycled: {a.mb:g} MB per timing; dq+mm GEMMs in {str(gemm_dtype()).removeprefix('torch.')}")
     rows: list = []
     for f in a.formats:
         bench_matmul(T[f], a.m, a.n, a.k, a.mb, not a.no_torch, rows)
     if a.moe_tokens:
         bench_moe(a.moe_tokens, a.moe_experts, not a.no_torch, rows)
-    head = ("format", "shape", "m", "native us", "native GB/s", "torch us", "torch GB/s", "speedup")
-    print(f"{head[0]:<24}{head[1]:>12}{head[2]:>5}{head[3]:>12}{head[4]:>13}{head[5]:>12}{head[6]:>12}{head[7]:>9}")
-    for name, shape, m, us, gbs, tus, tgbs in rows:
+    head = ("format", "shape", "m", "native us", "native GB/s", "dq+mm us", "torch us", "torch GB/s", "speedup")
+    print(f"{head[0]:<24}{head[1]:>12}{head[2]:>5}{head[3]:>12}{head[4]:>13}{head[5]:>10}{head[6]:>12}{head[7]:>12}"
+          f"{head[8]:>9}")
+    for name, shape, m, us, gbs, dus, tus, tgbs in rows:
+        dcol = f"{dus:>10.0f}" if dus else f"{'-':>10}"
         tcols = f"{tus:>12.0f}{tgbs:>12.2f}{tus / us:>8.1f}x" if tus else f"{'-':>12}{'-':>12}{'-':>9}"
-        print(f"{name:<24}{shape:>12}{m:>5}{us:>12.1f}{gbs:>13.2f}{tcols}")
+        print(f"{name:<24}{shape:>12}{m:>5}{us:>12.1f}{gbs:>13.2f}{dcol}{tcols}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import threading
 from typing import Mapping
 
 import torch
+from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.int4pack import Int4Expert
@@ -50,6 +51,13 @@ log = logging.getLogger("splitmoe.kernels")
 # (AMX / AVX512-BF16) the GEMM is several times faster, so prefill takes over much earlier:
 # that value is an estimate, not a measurement.
 NATIVE_MAX_TOKENS = {torch.float32: 160, torch.bfloat16: 48}
+# The 2- and 3-bit IQ formats look up a grid entry per 8 weights, which the int8 kernel pays again for
+# every tile of 8 tokens, so native dequantization + GEMM overtakes it sooner: measured on one AMD EPYC
+# core (AVX-512 VNNI and BF16), a 768x2048 matrix, the crossover is 24-40 tokens with the bfloat16
+# GEMM (Q4_K, IQ4_XS: 48-64) and 96-128 with the float32 one. A layer hosting such weights caps its
+# default threshold at this.
+GRID_IQ_TYPES = frozenset(int(t) for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S))
+GRID_IQ_MAX_TOKENS = {torch.float32: 96, torch.bfloat16: 32}
 # Pure-torch fallback: torch's int4 kernel vs dequantizing with kernels.quants (slow) + GEMM.
 INT4_MAX_TOKENS = 256
 
@@ -109,6 +117,8 @@ class FastMoELayer:
         self.compute_dtype = compute_dtype or gemm_dtype()
         if native_max_tokens is None:
             native_max_tokens = NATIVE_MAX_TOKENS.get(self.compute_dtype, NATIVE_MAX_TOKENS[torch.float32])
+            if any(int(w.ggml_type) in GRID_IQ_TYPES for f in self.ffns.values() for w in (f.gate, f.up, f.down)):
+                native_max_tokens = min(native_max_tokens, GRID_IQ_MAX_TOKENS.get(self.compute_dtype, native_max_tokens))
         self.native_max_tokens = native_max_tokens
         self.int4_max_tokens = int4_max_tokens
         native_experts = {e: f for e, f in self.ffns.items() if use_native and native_supports(f)}

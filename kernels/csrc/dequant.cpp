@@ -1,10 +1,17 @@
-// Dequantization of every GGML format kernels.quants supports, bit-identical to it in float32:
+// Dequantization of every GGML format kernels.quants supports (and IQ4_NL / IQ4_XS, whose reference is
+// gguf-py's), bit-identical to it in float32:
 // the same float operations in the same order (the build uses -ffp-contract=off, so no fused
 // multiply-add changes a rounding). Rows are shared out across the thread pool.
 #include <algorithm>
 #include <atomic>
 
+#include "iq_grids.h"
 #include "smk.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SMK_X86 1
+#endif
 
 namespace smk {
 namespace {
@@ -108,6 +115,74 @@ void dq_q6_k(const uint8_t* b, float* y) {
             }
         }
 }
+// The IQ4 codes index a table: the 16 products d * code first (the same float operations as
+// per value, so the same bits), then one lookup per value (3-4x faster than converting each).
+inline void iq4_block(float d, const uint8_t* qs, float* y) {
+    float tab[16];
+    for (int i = 0; i < 16; ++i) tab[i] = d * float(kIq4nl[i]);
+    for (int l = 0; l < 16; ++l) {
+        y[l] = tab[qs[l] & 15];
+        y[l + 16] = tab[qs[l] >> 4];
+    }
+}
+void dq_iq4_nl(const uint8_t* b, float* y) { iq4_block(ld_fp16(b), b + 2, y); }
+void dq_iq4_xs(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int ib = 0; ib < 8; ++ib) iq4_block(d * float(iq4xs_scale(b, ib)), b + 8 + 16 * ib, y + 32 * ib);
+}
+#ifdef SMK_X86
+// With AVX2 (any ISA but scalar in use): the codes of a block looked up with two pshufb, widened
+// and converted 8 at a time, times d: the same product per value, 2x faster than the table again.
+__attribute__((target("avx2"))) inline void iq4_block_avx2(float d, const uint8_t* qs, float* y) {
+    const __m128i tbl = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl));
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m4 = _mm_set1_epi8(0x0f);
+    const __m128i v[2] = {_mm_shuffle_epi8(tbl, _mm_and_si128(x, m4)),
+                          _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(x, 4), m4))};
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_ps(y + 16 * h, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h]))));
+        _mm256_storeu_ps(y + 16 * h + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8)))));
+    }
+}
+__attribute__((target("avx2"))) void dq_iq4_nl_avx2(const uint8_t* b, float* y) { iq4_block_avx2(ld_fp16(b), b + 2, y); }
+__attribute__((target("avx2"))) void dq_iq4_xs_avx2(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int ib = 0; ib < 8; ++ib) iq4_block_avx2(d * float(iq4xs_scale(b, ib)), b + 8 + 16 * ib, y + 32 * ib);
+}
+#endif
+
+// The 2- and 3-bit IQ formats: the per-16 scale as gguf-py computes it, times the signed value
+// (float multiplication rounds symmetrically: the same bits as gguf-py's scale * grid * sign).
+template <class F>
+void dq_iq(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    int8_t v[32];
+    int s[2];
+    for (int ib = 0; ib < 8; ++ib) {
+        iq_values<F>(b, ib, v, s);
+        for (int h = 0; h < 2; ++h) {
+            const float db = F::dq(d, s[h]);
+            for (int l = 16 * h; l < 16 * h + 16; ++l) y[32 * ib + l] = db * float(v[l]);
+        }
+    }
+}
+#ifdef SMK_X86
+// With AVX2: each group's 8 signed values widened and converted in registers (measured 1.2-4.5x
+// the portable loop above, level with Q4_K's dequantization).
+template <class F>
+__attribute__((target("avx2"))) void dq_iq_avx2(const uint8_t* b, float* y) {
+    const float d = ld_fp16(b);
+    for (int ib = 0; ib < 8; ++ib) {
+        int s[2];
+        F::scales(b, ib, s);
+        for (int c = 0; c < 4; ++c) {
+            const uint64_t x = iq_signed(F::grid(b, ib, c), kByteMasks.m[F::sign(b, ib, c)]);
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(x))));
+            _mm256_storeu_ps(y + 32 * ib + 8 * c, _mm256_mul_ps(_mm256_set1_ps(F::dq(d, s[c / 2])), v));
+        }
+    }
+}
+#endif
 void dq_f16(const uint8_t* b, float* y) { *y = ld_fp16(b); }
 void dq_bf16(const uint8_t* b, float* y) {
     uint32_t bits = uint32_t(b[0] | b[1] << 8) << 16;
@@ -116,6 +191,15 @@ void dq_bf16(const uint8_t* b, float* y) {
 void dq_f32(const uint8_t* b, float* y) { std::memcpy(y, b, 4); }
 
 typedef void (*BlockFn)(const uint8_t*, float*);
+
+// Whether the ISA in use (which SPLITMOE_KERNELS_ISA may lower) has AVX2.
+bool use_avx2() {
+#ifdef SMK_X86
+    return std::strcmp(kernels().name, "scalar") != 0;
+#else
+    return false;
+#endif
+}
 
 BlockFn block_fn(int type) {
     switch (type) {
@@ -133,6 +217,26 @@ BlockFn block_fn(int type) {
         case T_Q4_K: return dq_q45_k<false>;
         case T_Q5_K: return dq_q45_k<true>;
         case T_Q6_K: return dq_q6_k;
+#ifdef SMK_X86
+        case T_IQ4_NL: return use_avx2() ? dq_iq4_nl_avx2 : dq_iq4_nl;
+        case T_IQ4_XS: return use_avx2() ? dq_iq4_xs_avx2 : dq_iq4_xs;
+#else
+        case T_IQ4_NL: return dq_iq4_nl;
+        case T_IQ4_XS: return dq_iq4_xs;
+#endif
+#ifdef SMK_X86
+        case T_IQ2_XXS: return use_avx2() ? dq_iq_avx2<IQ2XXS> : dq_iq<IQ2XXS>;
+        case T_IQ2_XS: return use_avx2() ? dq_iq_avx2<IQ2XS> : dq_iq<IQ2XS>;
+        case T_IQ2_S: return use_avx2() ? dq_iq_avx2<IQ2S> : dq_iq<IQ2S>;
+        case T_IQ3_XXS: return use_avx2() ? dq_iq_avx2<IQ3XXS> : dq_iq<IQ3XXS>;
+        case T_IQ3_S: return use_avx2() ? dq_iq_avx2<IQ3S> : dq_iq<IQ3S>;
+#else
+        case T_IQ2_XXS: return dq_iq<IQ2XXS>;
+        case T_IQ2_XS: return dq_iq<IQ2XS>;
+        case T_IQ2_S: return dq_iq<IQ2S>;
+        case T_IQ3_XXS: return dq_iq<IQ3XXS>;
+        case T_IQ3_S: return dq_iq<IQ3S>;
+#endif
         default: return nullptr;
     }
 }

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "iq_grids.h"
 #include "smk.h"
 
 #if defined(__clang__)
@@ -96,6 +97,17 @@ struct D_MXFP4 {
         const uint8_t* p = row + size_t(j) * 17;
         const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4)));
         b.W = _mm256_shuffle_epi8(tbl, nibbles(p + 1)); b.S16 = ones16(); b.D = e8m0_half(p[0]); b.M = 0.f;
+    }
+};
+// IQ4_NL: the nibbles index the 16 non-linear code points (one pshufb), then a signed format.
+inline __m256i iq4_table() {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nl)));
+}
+struct D_IQ4_NL {
+    static constexpr bool SIGNED = true, MIN = false;
+    static void dec(const uint8_t* row, int j, SbState&, Blk& b) {
+        const uint8_t* p = row + size_t(j) * 18;
+        b.W = _mm256_shuffle_epi8(iq4_table(), nibbles(p + 2)); b.S16 = ones16(); b.D = half(p); b.M = 0.f;
     }
 };
 // ---- k-quants, a super-block at a time (scales decoded once per super-block) ----------------
@@ -197,7 +209,76 @@ void q6k_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
     for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
 }
 
+// IQ4_XS: 8 sub-blocks of 32 with IQ4_NL's nibble layout and a 6-bit scale each (ls - 32), applied
+// by the int16 madd (|maddubs| <= 2 * 127 * 127 = 32258, times |ls - 32| <= 32: no overflow).
+template <int NT>
+void iq4xs_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    const __m256i tbl = iq4_table();
+    for (int sb = 0; sb < nsb; ++sb) {
+        const uint8_t* b = row + size_t(sb) * 136;
+        prefetch_block(b, 136);
+        __m256 sacc[NT];
+        for (int t = 0; t < NT; ++t) sacc[t] = _mm256_setzero_ps();
+        for (int ib = 0; ib < 8; ++ib) {
+            const __m256i v = _mm256_shuffle_epi8(tbl, nibbles(b + 8 + 16 * ib));
+            const __m256i U = _mm256_sign_epi8(v, v);
+            const __m256i S = _mm256_set1_epi16(short(iq4xs_scale(b, ib)));
+            for (int t = 0; t < NT; ++t) {
+                const __m256i a = _mm256_sign_epi8(ld256(A[t].q + size_t(sb) * 256 + 32 * ib), v);
+                const __m256i i32 = _mm256_madd_epi16(_mm256_maddubs_epi16(U, a), S);
+                sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(A[t].d + size_t(sb) * 8 + ib), sacc[t]);
+            }
+        }
+        const __m256 dv = _mm256_set1_ps(half(b));
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], dv, acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
+}
+
+// The 2- and 3-bit IQ formats (iq_grids.h): per 32 values, grid entries (unsigned magnitudes)
+// gathered by index from general registers, a sign mask per 8 values moved onto the activation
+// ((a ^ m) - m), and the odd scales 2 s + 1 (per 16 values) applied by the int16 madd
+// (|maddubs| <= 2 * 62 * 127; times 31 fits int32).
+inline long long ll(uint64_t x) { return static_cast<long long>(x); }
+template <class F>
+inline void iq_block(const uint8_t* b, int s, __m256i& W, __m256i& S, __m256i& S16) {
+    W = _mm256_set_epi64x(ll(F::grid(b, s, 3)), ll(F::grid(b, s, 2)), ll(F::grid(b, s, 1)), ll(F::grid(b, s, 0)));
+    S = _mm256_set_epi64x(ll(kByteMasks.m[F::sign(b, s, 3)]), ll(kByteMasks.m[F::sign(b, s, 2)]),
+                          ll(kByteMasks.m[F::sign(b, s, 1)]), ll(kByteMasks.m[F::sign(b, s, 0)]));
+    int s2[2];
+    F::scales(b, s, s2);
+    S16 = _mm256_set_m128i(_mm_set1_epi16(short(2 * s2[1] + 1)), _mm_set1_epi16(short(2 * s2[0] + 1)));
+}
+
+template <class F, int NT>
+void iq_grid_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; ++sb) {
+        const uint8_t* b = row + size_t(sb) * F::BYTES;
+        prefetch_block(b, F::BYTES);
+        __m256 sacc[NT];
+        for (int t = 0; t < NT; ++t) sacc[t] = _mm256_setzero_ps();
+        for (int ib = 0; ib < 8; ++ib) {
+            __m256i W, S, S16;
+            iq_block<F>(b, ib, W, S, S16);
+            for (int t = 0; t < NT; ++t) {
+                const __m256i a = ld256(A[t].q + size_t(sb) * 256 + 32 * ib);
+                const __m256i i32 = _mm256_madd_epi16(_mm256_maddubs_epi16(W, _mm256_sub_epi8(_mm256_xor_si256(a, S), S)), S16);
+                sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(A[t].d + size_t(sb) * 8 + ib), sacc[t]);
+            }
+        }
+        const __m256 dv = _mm256_set1_ps(half(b) * F::DS);
+        for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], dv, acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
+}
+
 template <bool Q5> struct TK45 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { k45_tile<Q5, NT>(r, k / 256, a, o); } };
+struct TIQ4XS { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq4xs_tile<NT>(r, k / 256, a, o); } };
+template <class F> struct TIQX { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { iq_grid_tile<F, NT>(r, k / 256, a, o); } };
 struct TQ6 { template <int NT> static void run(const uint8_t* r, int k, const Act* a, float* o) { q6k_tile<NT>(r, k / 256, a, o); } };
 template <class Tl>
 void rows(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out, size_t ostride) {
@@ -322,6 +403,13 @@ void smk::init_avx2(Kernels& K) {
     K.dot[T_Q5_0] = rows<TBlk<D_Q5_0>>;
     K.dot[T_Q5_1] = rows<TBlk<D_Q5_1>>;
     K.dot[T_MXFP4] = rows<TBlk<D_MXFP4>>;
+    K.dot[T_IQ4_NL] = rows<TBlk<D_IQ4_NL>>;
+    K.dot[T_IQ4_XS] = rows<TIQ4XS>;
+    K.dot[T_IQ2_XXS] = rows<TIQX<IQ2XXS>>;
+    K.dot[T_IQ2_XS] = rows<TIQX<IQ2XS>>;
+    K.dot[T_IQ2_S] = rows<TIQX<IQ2S>>;
+    K.dot[T_IQ3_XXS] = rows<TIQX<IQ3XXS>>;
+    K.dot[T_IQ3_S] = rows<TIQX<IQ3S>>;
 }
 
 #endif  // x86

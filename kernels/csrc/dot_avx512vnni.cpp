@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "iq_grids.h"
 #include "smk.h"
 
 #if defined(__clang__)

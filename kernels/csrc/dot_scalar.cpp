@@ -3,11 +3,13 @@
 // the tests' cross-check and as the fallback on CPUs without AVX2.
 #include <cmath>
 
+#include "iq_grids.h"
 #include "smk.h"
 
 namespace smk {
 
 const int8_t kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+const int8_t kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 TypeInfo type_info(int type) {
     switch (type) {
@@ -25,6 +27,13 @@ TypeInfo type_info(int type) {
         case T_Q4_K: return {256, 144};
         case T_Q5_K: return {256, 176};
         case T_Q6_K: return {256, 210};
+        case T_IQ4_NL: return {32, 18};
+        case T_IQ4_XS: return {256, 136};
+        case T_IQ2_XXS: return {256, IQ2XXS::BYTES};
+        case T_IQ2_XS: return {256, IQ2XS::BYTES};
+        case T_IQ2_S: return {256, IQ2S::BYTES};
+        case T_IQ3_XXS: return {256, IQ3XXS::BYTES};
+        case T_IQ3_S: return {256, IQ3S::BYTES};
         default: return {0, 0};
     }
 }
@@ -131,6 +140,41 @@ struct DecMXFP4 {
         b.isc[0] = b.isc[1] = 1; b.D = e8m0_half(p[0]); b.M = 0.f;
     }
 };
+// IQ4_NL: d | 16 nibble bytes (low nibbles elements 0-15, high 16-31), each indexing kIq4nl.
+inline void iq4_nib32(const uint8_t* qs, int8_t* v) {
+    for (int l = 0; l < 16; ++l) {
+        v[l] = kIq4nl[qs[l] & 15];
+        v[l + 16] = kIq4nl[qs[l] >> 4];
+    }
+}
+struct DecIQ4_NL {
+    static void dec(const uint8_t* row, int j, Block32& b) {
+        const uint8_t* p = row + j * 18;
+        iq4_nib32(p + 2, b.v);
+        b.isc[0] = b.isc[1] = 1; b.D = ld_fp16(p); b.M = 0.f;
+    }
+};
+// IQ4_XS: sub-block j % 8 of a super-block has IQ4_NL's nibble layout at qs + 16 (j % 8).
+struct DecIQ4_XS {
+    static void dec(const uint8_t* row, int j, Block32& b) {
+        const uint8_t* p = row + (j / 8) * 136;
+        iq4_nib32(p + 8 + 16 * (j % 8), b.v);
+        b.isc[0] = b.isc[1] = iq4xs_scale(p, j % 8);
+        b.D = ld_fp16(p); b.M = 0.f;
+    }
+};
+// The 2- and 3-bit IQ formats (iq_grids.h): value = d * DS * (2 s + 1) * v.
+template <class F>
+struct DecIQ {
+    static void dec(const uint8_t* row, int j, Block32& b) {
+        const uint8_t* p = row + (j / 8) * F::BYTES;
+        int s[2];
+        iq_values<F>(p, j % 8, b.v, s);
+        b.isc[0] = 2 * s[0] + 1;
+        b.isc[1] = 2 * s[1] + 1;
+        b.D = ld_fp16(p) * F::DS; b.M = 0.f;
+    }
+};
 template <bool Q5>
 struct DecQ45K {
     static void dec(const uint8_t* row, int j, Block32& b) {
@@ -205,6 +249,13 @@ void init_scalar(Kernels& K) {
     K.dot[T_Q4_K] = dot_rows<DecQ45K<false>>;
     K.dot[T_Q5_K] = dot_rows<DecQ45K<true>>;
     K.dot[T_Q6_K] = dot_rows<DecQ6_K>;
+    K.dot[T_IQ4_NL] = dot_rows<DecIQ4_NL>;
+    K.dot[T_IQ4_XS] = dot_rows<DecIQ4_XS>;
+    K.dot[T_IQ2_XXS] = dot_rows<DecIQ<IQ2XXS>>;
+    K.dot[T_IQ2_XS] = dot_rows<DecIQ<IQ2XS>>;
+    K.dot[T_IQ2_S] = dot_rows<DecIQ<IQ2S>>;
+    K.dot[T_IQ3_XXS] = dot_rows<DecIQ<IQ3XXS>>;
+    K.dot[T_IQ3_S] = dot_rows<DecIQ<IQ3S>>;
 }
 
 }  // namespace smk

@@ -16,7 +16,9 @@ namespace smk {
 // GGML type ids (ggml.h / gguf-py GGMLQuantizationType).
 enum GgmlType : int {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ2_XXS = 16, T_IQ2_XS = 17,
+    T_IQ3_XXS = 18, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22, T_IQ4_XS = 23,
+    T_BF16 = 30, T_MXFP4 = 39,
 };
 
 // Elements and bytes per block; 0 if unknown.
@@ -201,6 +203,14 @@ inline void k4_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
     std::memcpy(mn, &m0, 4); std::memcpy(mn + 4, &m1, 4);
 }
 
+// IQ4_XS: the 6-bit scale of 32-value sub-block ib (0..7) of the super-block at b, offset removed.
+// Layout: d (fp16) | scales_h (u16, 2 bits per sub-block) | scales_l (4 bytes, a nibble each) | qs[128].
+inline int iq4xs_scale(const uint8_t* b, int ib) {
+    const unsigned h = unsigned(b[2]) | unsigned(b[3]) << 8;
+    return int(((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | ((h >> (2 * ib)) & 3) << 4) - 32;
+}
+
 extern const int8_t kMxfp4[16];  // doubled e2m1 code points
+extern const int8_t kIq4nl[16];  // IQ4_NL / IQ4_XS non-linear code points
 
 }  // namespace smk

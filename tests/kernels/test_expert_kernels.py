@@ -25,10 +25,11 @@ from splitmoe.kernels.int4pack import can_repack, repack_expert
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_moe import Float64FFN
+from tests.kernels.test_native import IQ_TYPES as NATIVE_IQ_TYPES
 from tests.kernels.test_quants import FP16_FIELDS, IQ_TYPES
 from tests.support.quant_model import scaled_blocks
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4]
+TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, *NATIVE_IQ_TYPES]
 INT4 = {T.Q4_0, T.Q4_1, T.Q4_K}
 TORCH_DEQUANT_SAMPLE = {T.Q4_0, T.Q4_K, T.Q6_K, T.MXFP4}
 D, F, NUM_EXPERTS, TOP_K = 256, 256, 6, 2  # 256: the k-quants' super-block
@@ -332,6 +333,18 @@ def test_compute_dtype_of_the_prefill_gemm(dtype):
     layer = FastMoELayer(experts, NUM_EXPERTS, use_native=False, compute_dtype=dtype)
     ids, weights = routing(gen, 16, HOSTED)
     check(layer, experts, torch.randn(16, D, generator=gen).bfloat16(), ids, weights, route_tol("dense", layer))
+
+
+def test_grid_iq_types_cap_the_native_threshold():
+    """The 2- and 3-bit IQ types' int8 kernels lose to dequantize + GEMM sooner: a layer hosting any
+    caps its default threshold; other types keep theirs, and an explicit threshold wins."""
+    iq = make_experts(T.IQ4_XS, 15, down_type=T.IQ3_XXS, hosted=(0,))
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = FastMoELayer(iq, NUM_EXPERTS, compute_dtype=dtype)
+        assert layer.native_max_tokens == ek.GRID_IQ_MAX_TOKENS[dtype] < ek.NATIVE_MAX_TOKENS[dtype]
+        plain = FastMoELayer(make_experts(T.IQ4_XS, 15, hosted=(0,)), NUM_EXPERTS, compute_dtype=dtype)
+        assert plain.native_max_tokens == ek.NATIVE_MAX_TOKENS[dtype]
+    assert FastMoELayer(iq, NUM_EXPERTS, native_max_tokens=100).native_max_tokens == 100
 
 
 def test_compute_dtype_defaults_to_the_gemm_dtype(monkeypatch):

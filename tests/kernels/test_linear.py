@@ -18,9 +18,10 @@ import splitmoe.kernels.linear as kl
 from splitmoe.kernels.cpu_features import GEMM_DTYPE_ENV
 from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, linear
 from splitmoe.kernels.quants import QuantTensor, dequantize
+from tests.kernels.test_native import IQ_TYPES as NATIVE_IQ_TYPES
 from tests.kernels.test_quants import IQ_TYPES, random_blocks
 
-NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
+NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, *NATIVE_IQ_TYPES]
 F32_EPS = 2.0 ** -24
 
 

@@ -19,16 +19,18 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
 
 from splitmoe.kernels import native
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI, ExpertFFN, moe_forward
-from splitmoe.kernels.quants import QuantTensor
-from splitmoe.kernels.quants import dequantize as ref_dequantize
+from splitmoe.kernels.quants import QuantTensor, dequantize
 from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, random_blocks
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1]
+# The IQ types with int8 kernels (the 1-bit and ternary ones take kernels.quants' dequantization).
+IQ_TYPES = [T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1, *IQ_TYPES]
 TOL = 1e-2
 
 
@@ -61,12 +63,12 @@ def tame(qtype: T, shape: tuple[int, ...], seed: int, name: str, scale: float) -
     rng = np.random.default_rng(seed)
     raw = random_blocks(qtype, shape, rng)
     elems, nbytes = GGML_QUANT_SIZES[qtype]
-    blocks = raw.reshape(-1, nbytes)
+    bl = raw.reshape(-1, nbytes)
     for off in FP16_FIELDS[qtype]:
-        d = (rng.uniform(0.5, 1.0, len(blocks)) * scale).astype(np.float16)
-        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+        d = (rng.uniform(0.5, 1.0, len(bl)) * scale).astype(np.float16)
+        bl[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
     if qtype == T.MXFP4:
-        blocks[:, 0] = 127 + int(np.round(np.log2(scale))) + rng.integers(-1, 1, len(blocks))
+        bl[:, 0] = 127 + int(np.round(np.log2(scale))) + rng.integers(-1, 1, len(bl))
     if qtype in (T.Q4_K, T.Q5_K):  # 6-bit scales and mins: keep the mins below the scales' reach
         pass
     raw.flags.writeable = False
@@ -78,14 +80,15 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def ref_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    return x.double() @ ref_dequantize(w).double().T
+    return x.double() @ dequantize(w).double().T
 
 
 def quantize_act(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels see it: int8 per block of 32, scale max|x| / 127 (float32 ops as in C)."""
     b = x.float().reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division (the scalar 127.0 / amax is computed as 127 * (1 / amax): rounds differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(b * inv).clamp(-127, 127)
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
@@ -93,7 +96,7 @@ def quantize_act(x: torch.Tensor) -> torch.Tensor:
 def check_matmul(got: torch.Tensor, x: torch.Tensor, w: QuantTensor, what) -> float:
     """Tight: equal to the exact product of the int8-quantized activations up to float32
     summation error. Returns the rel-L2 error against the exact product of x."""
-    wd = ref_dequantize(w).double()
+    wd = dequantize(w).double()
     xq = quantize_act(x)
     bound = 2e-6 * (xq.abs() @ wd.abs().T) + 1e-30
     assert ((got.double() - xq @ wd.T).abs() <= bound).all(), what
@@ -104,7 +107,7 @@ def test_reports_isa_and_threads():
     assert native.isa() in ("avx512vnni", "avx512bw", "avx2", "scalar")
     assert native.get_num_threads() >= 1
     assert all(native.supports(int(t)) for t in MATMUL_TYPES)
-    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ2_XXS))
+    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ1_S))
 
 
 @pytest.mark.parametrize("qtype", MATMUL_TYPES, ids=lambda t: t.name)
@@ -121,12 +124,13 @@ def test_matmul_every_type_and_isa(qtype, isa):
             assert err <= TOL, (qtype.name, isa, m, n, k, err)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, *IQ_TYPES], ids=lambda t: t.name)
 def test_matmul_every_token_tile(qtype, isa):
     """Every token count up to two full tiles and a remainder (the SIMD kernels decode a weight
     block once for up to 8 tokens), against the exact product of the quantized activations.
-    MXFP4 rows end in a 32-value tail after two 256-value groups, as gpt-oss's 2880 does."""
-    k = 544 if qtype == T.MXFP4 else 512
+    MXFP4 and IQ4_NL rows end in a 32-value tail after two 256-value groups, as gpt-oss's 2880
+    does."""
+    k = 544 if qtype in (T.MXFP4, T.IQ4_NL) else 512
     w = qt(qtype, (9, k), seed=11 + int(qtype))
     gen = torch.Generator().manual_seed(int(qtype))
     for m in range(1, 20):
@@ -177,18 +181,18 @@ def test_matmul_rejects_bad_inputs(bad, match):
         bad(torch.randn(3, 64), w)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES + [t for t in IQ_TYPES if t not in BLOCK_TYPES],
+                         ids=lambda t: t.name)
 def test_dequantize_bit_identical(qtype):
     elems = GGML_QUANT_SIZES[qtype][0]
     k = max(256, elems)
     if qtype in FLOAT_TYPES:
         x = torch.randn(13, 40, generator=torch.Generator().manual_seed(3))
-        from gguf import quants as gq
         raw = gq.quantize(x.numpy(), qtype)
         w = QuantTensor("f", int(qtype), (13, 40), raw)
     else:
         w = qt(qtype, (300, k), seed=int(qtype))  # enough rows to run on the pool
-    want = ref_dequantize(w)
+    want = dequantize(w)
     got = native.dequantize(w)
     assert got.dtype == torch.float32
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
@@ -201,21 +205,35 @@ def test_dequantize_bit_identical(qtype):
     assert torch.equal(out.view(torch.int16), want.bfloat16().view(torch.int16))
 
 
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda t: t.name)
+def test_iq_dequantize_every_isa(qtype, isa):
+    """The IQ types dequantize to the same bits whatever the ISA (IQ4 with pshufb where it has AVX2)."""
+    w = qt(qtype, (40, 512), seed=int(qtype) + 1)
+    want = dequantize(w)
+    assert torch.equal(native.dequantize(w).view(torch.int32), want.view(torch.int32)), isa
+    bf = native.dequantize(w, torch.bfloat16)
+    assert torch.equal(bf.view(torch.int16), want.bfloat16().view(torch.int16)), isa
+
+
 def test_dequantize_expert_tensor_and_errors():
     w = qt(T.Q6_K, (3, 4, 256), seed=5)
-    assert torch.equal(native.dequantize(w), ref_dequantize(w))
-    assert torch.equal(native.dequantize(w[1]), ref_dequantize(w[1]))
+    assert torch.equal(native.dequantize(w), dequantize(w))
+    assert torch.equal(native.dequantize(w[1]), dequantize(w[1]))
     with pytest.raises(ValueError, match="out of range"):
         native.dequantize(w[0], rows=torch.tensor([4]))
     with pytest.raises(ValueError, match="dtype"):
         native.dequantize(w[0], torch.float16)
     with pytest.raises(ValueError, match="unsupported"):
-        native.dequantize(QuantTensor("iq", int(T.IQ2_XXS), (1, 256), np.zeros((1, 66), np.uint8)))
+        native.dequantize(QuantTensor("iq", int(T.IQ1_S), (1, 256), np.zeros((1, 50), np.uint8)))
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
 
 D, FFN, E, K = 512, 256, 6, 2
+# Scale per unit of the fp16 d: the IQ4 codes are O(50) (IQ4_XS's sub-block scales O(16) on top),
+# the 2-bit IQ types' values O(50) per unit of d, the 3-bit ones' O(100), the other types' quants O(10).
+TAME_SCALE = {T.IQ4_NL: 1e-3, T.IQ4_XS: 6e-5, T.IQ2_XXS: 1e-3, T.IQ2_XS: 1e-3, T.IQ2_S: 1e-3, T.IQ3_XXS: 4e-4,
+              T.IQ3_S: 4e-4}
 
 
 def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), seed: int = 0) -> dict[int, ExpertFFN]:
@@ -226,16 +244,17 @@ def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), 
 
     # random quants have mean |q| ~ 8-16 per unit of scale, so these keep gate/up O(1-10)
     # (swiglu_oai's clamps at 7 are reached) and the output O(1)
-    return {e: ExpertFFN(tame(types[0], (FFN, D), seed * 1000 + 3 * e, f"gate{e}", 0.003),
-                         tame(types[1], (FFN, D), seed * 1000 + 3 * e + 1, f"up{e}", 0.003),
-                         tame(types[2], (D, FFN), seed * 1000 + 3 * e + 2, f"down{e}", 0.003),
+    sc = [TAME_SCALE.get(t, 0.003) for t in types]
+    return {e: ExpertFFN(tame(types[0], (FFN, D), seed * 1000 + 3 * e, f"gate{e}", sc[0]),
+                         tame(types[1], (FFN, D), seed * 1000 + 3 * e + 1, f"up{e}", sc[1]),
+                         tame(types[2], (D, FFN), seed * 1000 + 3 * e + 2, f"down{e}", sc[2]),
                          bias(FFN), bias(FFN), bias(D), activation)
             for e in range(E)}
 
 
 class RefFFN:
     """One expert in float64 from its exactly dequantized weights (native.dequantize: faster than
-    kernels.quants, and bit-identical to it, as test_dequantize_bit_identical checks)."""
+    the reference, and bit-identical to it, as test_dequantize_bit_identical checks)."""
 
     def __init__(self, f: ExpertFFN):
         self.w = [native.dequantize(m).double() for m in (f.gate, f.up, f.down)]
@@ -324,6 +343,22 @@ def test_moe_silu_q8_and_mixed_types_against_kernels_moe():
     weights = torch.rand(5, K, generator=gen)
     got = native.MoELayer(experts, E).forward(x, ids, weights)
     assert rel_l2(got, moe_forward(x, ids, weights, experts).double()) <= MOE_TOL  # the torch path
+
+
+@pytest.mark.parametrize("types", [(T.IQ4_XS, T.IQ4_XS, T.IQ4_NL), (T.IQ4_NL, T.IQ4_NL, T.IQ4_XS),
+                                   (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS), (T.IQ2_XS, T.IQ2_S, T.IQ3_S)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_moe_iq_types_every_isa(types, isa):
+    """The IQ kernels inside the MoE layer (the intermediate activations quantized by the layer
+    itself), decode and an 8-token tile and a remainder, on every ISA."""
+    experts = make_experts(ACT_SILU, False, types=types, seed=6)
+    layer = native.MoELayer(experts, E)
+    gen = torch.Generator().manual_seed(6)
+    for tokens in (1, 11):
+        x = torch.randn(tokens, D, generator=gen)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1)
+        check_moe(layer.forward(x, ids, weights), x, ids, weights, experts)
 
 
 def test_moe_rejects_bad_inputs():
