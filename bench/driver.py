@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable, Protocol
 from splitmoe.bench.workload import Prompts, StreamTimes, Workload, aggregate_decode_tok_s, decode_tok_s, prefill_tok_s
 
 # The moments `mark` is told about, in order.
-SINGLE_FIRST_TOKEN, SINGLE_END = "single_first_token", "single_end"
+SINGLE_START, SINGLE_FIRST_TOKEN, SINGLE_END = "single_start", "single_first_token", "single_end"
 STREAMS_START, STREAMS_END = "streams_start", "streams_end"
 
 
@@ -45,6 +45,7 @@ async def measure(engine: BenchEngine, workload: Workload, prompts: Prompts,
     say(f"    prefill: {len(prompts.prefill)}-token prompt, 1 token")
     prefill = await generate_timed(engine, prompts.prefill, 1)
     say(f"    single stream: {len(prompts.single)}-token prompt, {w.decode_tokens} tokens")
+    engine.mark(SINGLE_START)
     single = await generate_timed(engine, prompts.single, w.decode_tokens,
                                   on_first_token=lambda: engine.mark(SINGLE_FIRST_TOKEN))
     engine.mark(SINGLE_END)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from splitmoe.bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, Measured, measure
+from splitmoe.bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, SINGLE_START, Measured, measure
 from splitmoe.bench.workload import Prompts, Workload
 
 
@@ -171,15 +171,19 @@ class ServicesEngine:
 
     def mark(self, moment: str) -> None:
         # Snapshots run beside the stream (a task), so reading tokens never waits for them.
-        if moment in (SINGLE_FIRST_TOKEN, SINGLE_END):
+        if moment in (SINGLE_START, SINGLE_FIRST_TOKEN, SINGLE_END):
             from splitmoe.proto import attention_pb2 as pb
 
             self._snapshots[moment] = asyncio.ensure_future(self.stats_stub.GetStats(pb.AttentionStatsRequest(),
                                                                                      timeout=60.0))
 
     async def hop_overhead(self) -> "HopOverhead":
-        """Over the single stream's decode: from its first token to its end."""
-        return hop_overhead(await self._snapshots[SINGLE_FIRST_TOKEN], await self._snapshots[SINGLE_END])
+        """Over the single stream's decode: from its first token to its end. A short decode on a
+        loaded machine can end before the first-token snapshot is answered (no hops in between):
+        then from before the stream, its prompt's hops included."""
+        end = await self._snapshots[SINGLE_END]
+        decode = hop_overhead(await self._snapshots[SINGLE_FIRST_TOKEN], end)
+        return decode if decode.us is not None else hop_overhead(await self._snapshots[SINGLE_START], end)
 
 
 @dataclass(frozen=True, slots=True)
