@@ -5,8 +5,9 @@
 * the qwen2moe fixture from Q8_0: its 256-wide shared-expert `ffn_down_shexp` rows become real
   IQ4_XS blocks; split in 3 with the first part metadata only, a layout our writer never makes.
 
-The tools are not in CI, so the files they made are committed; the last tests remake them where
-the tools are found. Split sets, opened from the first part, give logits bit-identical to the
+The tools are not in CI, so the files they made are committed; the last tests run the tools where
+they are found: they remake the committed files, split and re-quantize every served fixture, and
+merge our own writer's parts back (`llama-gguf-split --merge`). Split sets, opened from the first part, give logits bit-identical to the
 unsplit file, in process and through real expert services; float32 logits match transformers
 (float32, eager) on the fixture's checkpoint holding exactly the values the tensors dequantize to.
 """
@@ -27,6 +28,7 @@ from gguf import GGUFReader, LlamaFileType
 
 from splitmoe.cli import main
 from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.gguf_split import split_gguf
 from tests.support.gguf_compare import values
 from tests.support.hf_reference import hf_logits, max_abs
 from tests.support.hf_to_gguf import _gguf_name
@@ -206,7 +208,38 @@ def test_fixture_split_by_size_gives_the_unsplit_files_logits(tmp_path):
 
 
 def assert_tool_split_keeps_logits(model: Path, options: list[str], tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
     run([llama_tool("llama-gguf-split"), "--split", *options, str(model), str(tmp_path / model.stem)])
     made = sorted(tmp_path.glob("*.gguf"))
     assert len(made) >= 2 and made[0].name == f"{model.stem}-00001-of-{len(made):05d}.gguf"
     assert cli_logits(made[0], tmp_path / "split.npy") == cli_logits(model, tmp_path / "whole.npy")
+
+
+Q8_0_FIXTURES = [p for p in FIXTURE_FILES if p.name.endswith("-q8_0.gguf")]
+
+
+@needs_fixtures
+@needs_tools
+@pytest.mark.parametrize("model", Q8_0_FIXTURES, ids=lambda p: p.parent.name)
+def test_every_fixture_requantized_to_iq4_xs_and_split_by_the_tools_keeps_its_logits(model, tmp_path):
+    """Every architecture through both tools (deepseek2's 256-wide dense `ffn_down` becomes real
+    IQ4_XS); no transformers reference here, the committed qwen files carry that."""
+    skip_unless_served(model)
+    whole = tmp_path / "whole" / model.name.replace("q8_0", "iq4_xs")
+    whole.parent.mkdir()
+    run([llama_tool("llama-quantize"), "--allow-requantize", str(model), str(whole), "IQ4_XS"])
+    assert T.IQ4_NL in set(tensor_types([whole]).values())
+    assert_tool_split_keeps_logits(whole, ["--split-max-tensors", "16"], tmp_path / "split")
+
+
+@needs_fixtures
+@needs_tools
+@pytest.mark.parametrize("model", Q8_0_FIXTURES, ids=lambda p: p.parent.name)
+def test_llama_gguf_split_merges_our_parts_back_to_the_same_logits(model, tmp_path):
+    """The other way round: llama.cpp's tool reads the parts our writer makes."""
+    skip_unless_served(model)
+    first = split_gguf(model, tmp_path / model.stem, 3)[0]
+    merged = tmp_path / "merged" / model.name
+    merged.parent.mkdir()
+    run([llama_tool("llama-gguf-split"), "--merge", str(first), str(merged)])
+    assert cli_logits(merged, tmp_path / "merged.npy") == cli_logits(model, tmp_path / "whole.npy")
