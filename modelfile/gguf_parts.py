@@ -42,6 +42,11 @@ def open_later_parts(first: GGUFPart) -> list[GGUFPart]:
         return []
     count, total = _split_int(first, SPLIT_COUNT), _split_int(first, SPLIT_TENSORS_COUNT)
     index = _split_int(first, SPLIT_NO)
+    if count == 0 and index == 0:
+        # `llama-gguf-split --merge` output: the first part's keys kept, the count zeroed so the
+        # tool never merges it again; llama.cpp's loader takes a count under 2 as one file.
+        _check_tensors([first], total)
+        return []
     if count < 1 or not 0 <= index < count:
         raise GGUFError(f"{first.path.name}: metadata key {SPLIT_NO!r} = {index} with {SPLIT_COUNT!r} = {count} "
                         "is no part of a split")

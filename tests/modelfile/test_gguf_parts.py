@@ -231,3 +231,17 @@ def test_split_no_out_of_range(three):
     set_split_key(three[0], "split.no", 5)
     assert error_of(three[0]) == ("demo-00001-of-00003.gguf: metadata key 'split.no' = 5 with 'split.count' = 3 "
                                   "is no part of a split")
+
+
+def test_file_merged_by_llama_gguf_split_opens_as_one(demo_gguf, tmp_path):
+    """`llama-gguf-split --merge` keeps the first part's split keys with split.count 0."""
+    merged = split_gguf(demo_gguf, tmp_path / "merged", 1)[0]
+    set_split_key(merged, "split.count", 0)
+    assert GGUFFile(merged).tensor_names == GGUFFile(demo_gguf).tensor_names
+
+
+def test_merged_file_missing_tensors(demo_gguf, tmp_path):
+    merged = split_gguf(demo_gguf, tmp_path / "merged", 1)[0]
+    set_split_key(merged, "split.count", 0)
+    set_split_key(merged, "split.tensors.count", 999)
+    assert "metadata key 'split.tensors.count' = 999, but the 1 parts hold" in error_of(merged)
