@@ -26,6 +26,7 @@ from splitmoe.modelfile.chat_template import ChatTemplate
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_parts import model_stem
 from splitmoe.modelfile.tokenizer import Tokenizer
+from splitmoe.runtime.memory import MIB, Resident, resident
 from splitmoe.runtime.settings import repack_cache_dir
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class ServingModel:
 
 def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | None = None) -> ServingModel:
     options = settings.runner
+    before = resident()
     g = GGUFFile(settings.model_path)
     runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
@@ -140,7 +142,23 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
     log.info("model %s loaded: %s, %d layers, dtype %s on %s, reasoning format %s (%s)", model.model_id,
              runner.cfg.arch, runner.cfg.num_layers, dtype_name(options.dtype), options.device,
              model.reasoning.name if model.reasoning else "none", settings.reasoning_format)
+    log_memory(runner, before)
     return model
+
+
+def log_memory(runner: ModelRunner, before: Resident | None) -> None:
+    """What the load cost in memory: the file is mapped; what the load added of the process's own
+    pages is the dequantized copies (float32 norms and router, dense copies of types without a
+    native kernel) and the buffers; the KV cache is reserved and filled as it is used."""
+    after = resident()
+    kv = runner.kv
+    kv_bytes = kv.num_blocks * kv.kv_block_tokens * kv.bytes_per_token
+    if after is None or before is None:
+        log.info("KV cache: %.0f MiB reserved", kv_bytes / MIB)
+        return
+    log.info("memory after load: %s; the load added %.0f MiB of own memory (dequantized copies, buffers); "
+             "KV cache %.0f MiB reserved, filled as used", after.describe(),
+             (after.own_bytes - before.own_bytes) / MIB, kv_bytes / MIB)
 
 
 def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from splitmoe.bench.workload import Workload, make_prompts, normal_token_ids
+from splitmoe.runtime.memory import MIB
 
 BASELINES = ("none", "llama.cpp")
 
@@ -87,7 +88,11 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     curves = {"services": _curve(m, w)}
     figures: dict = {"prefill_tok_s": m.prefill_tok_s, "decode_tok_s": m.decode_tok_s,
                      "decode16_tok_s": m.decode16_tok_s, "ttft_s": m.ttft_s, "hop_us": services.hop_us,
-                     "hop_us_method": services.hop_method}
+                     "hop_us_method": services.hop_method,
+                     "memory_mib": {name: {"own": r.own_bytes / MIB, "mapped_file": r.file_bytes / MIB,
+                                           "shared": r.shared_bytes / MIB} for name, r in services.memory.items()}}
+    for name, r in services.memory.items():
+        say(f"    memory of {name}: {r.describe()}")
 
     touched, touched_source = None, "uniform-routing estimate"
     if s.inprocess:

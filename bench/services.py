@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable
 
 from splitmoe.bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, SINGLE_START, Measured, measure
 from splitmoe.bench.workload import Prompts, Workload
+from splitmoe.runtime.memory import Resident, resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class ServicesResult:
     transport: str                     # what the attention service says its expert streams use
     expert_threads: list[int]
     startup_s: float                   # from the first process started to the attention service healthy
+    memory: dict[str, Resident]        # each service's memory at the end of the measurements
 
 
 def run_services(model_path: str, workload: Workload, prompts: Prompts, options: ServicesOptions, run_dir: Path,
@@ -64,6 +66,7 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
             security = ClusterSecurity(token=settings.cluster_token)
             measured, hops = asyncio.run(_drive(supervisor, attention_address, security, workload, prompts, options,
                                                 say))
+            memory = {c.name: r for c in supervisor.children if (r := resident(c.pid)) is not None}
         except StopRequested:
             raise KeyboardInterrupt from None
     if not options.expert_services:
@@ -72,7 +75,7 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
         transport = (hops.transport if hops else "") or expert_transport(run_dir / "attention.log")
     threads = split_threads(options.threads, options.expert_services) if options.expert_services else []
     return ServicesResult(measured, hops.us if hops else None, hops.method if hops else "", transport, threads,
-                          startup_s)
+                          startup_s, memory)
 
 
 def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -> str:

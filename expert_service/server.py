@@ -25,6 +25,7 @@ from splitmoe.expert_service.shard import HostedShard, ShardDescription
 from splitmoe.modelfile.experts import format_ranges
 from splitmoe.modelfile.gguf_parts import model_stem
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
+from splitmoe.runtime.memory import resident
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "splitmoe.v1.ExpertService"
@@ -46,7 +47,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             described = self.hosted.load(request.layers, request.experts)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        log.info("loaded shard: %s", describe_shard(described))
+        log.info("loaded shard: %s; memory: %s", describe_shard(described), memory_line())
         return self._shard_info(described)
 
     def GetStats(self, request: expert_pb2.StatsRequest, context) -> expert_pb2.ExpertStats:
@@ -66,6 +67,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
             num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads(),
             doorbell=self.doorbell)
+
+
+def memory_line() -> str:
+    """The process's memory: the shard's blocks are mapped file pages, touched as they are used."""
+    now = resident()
+    return now.describe() if now else "not reported on this system"
 
 
 def describe_shard(described: ShardDescription) -> str:

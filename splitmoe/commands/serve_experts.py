@@ -64,7 +64,7 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     import signal
     import threading
 
-    from splitmoe.expert_service.server import ExpertServer, describe_shard
+    from splitmoe.expert_service.server import ExpertServer, describe_shard, memory_line
     from splitmoe.runtime.settings import setup_logging
     from splitmoe.runtime.telemetry import setup_tracing
 
@@ -78,7 +78,8 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
         signal.signal(sig, lambda *_: stop.set())
     port = server.start()
     logging.getLogger("splitmoe.serve_experts").info(
-        "ready on %s:%d: %s %s", settings.host, port, settings.model_path.name, describe_shard(hosted.describe()))
+        "ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
+        describe_shard(hosted.describe()), memory_line())
     stop.wait()
     server.stop()
     return 0

@@ -53,6 +53,10 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
     # one expert service per NUMA node by default, with every thread
     assert figures["threads"] == 2 and figures["expert_threads"] == [2] * numa_nodes() and figures["dtype"] == "bfloat16"
     assert figures["transport"] in ("shm", "grpc")
+    # every service's memory, the model's blocks as mapped file pages
+    memory = figures["memory_mib"]
+    assert "attention" in memory and len(memory) == 1 + numa_nodes(), memory
+    assert all(m["own"] > 0 and m["mapped_file"] > 0 for m in memory.values()), memory
     assert figures["touched_expert_bytes_source"] == "counted in the in-process run"
     # 3 streams of 2-of-8 experts touch between 2 and 6 distinct experts per layer
     per_layer = sum(ExpertBytes.of(_gguf(demo_gguf)).per_expert.values())
