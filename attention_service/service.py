@@ -151,8 +151,7 @@ def log_memory(runner: ModelRunner, before: Resident | None) -> None:
     pages is the dequantized copies (float32 norms and router, dense copies of types without a
     native kernel) and the buffers; the KV cache is reserved and filled as it is used."""
     after = resident()
-    kv = runner.kv
-    kv_bytes = kv.num_blocks * kv.kv_block_tokens * kv.bytes_per_token
+    kv_bytes = runner.kv.reserved_bytes
     if after is None or before is None:
         log.info("KV cache: %.0f MiB reserved", kv_bytes / MIB)
         return

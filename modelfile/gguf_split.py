@@ -12,7 +12,6 @@ files published are).
 """
 from __future__ import annotations
 
-import math
 import os
 import struct
 from pathlib import Path
@@ -57,12 +56,8 @@ def _share(tensors: list[ReaderTensor], parts: int, metadata_only_first: bool) -
     holders = parts - 1 if metadata_only_first else parts
     if holders < 1 or holders > len(tensors):
         raise ValueError(f"cannot share {len(tensors)} tensors over {holders} parts")
-    per_part = math.ceil(len(tensors) / holders)
-    groups = [tensors[i * per_part:(i + 1) * per_part] for i in range(holders)]
-    if any(not g for g in groups):  # ceil left the last parts empty: spread by floor instead
-        bounds = [round(i * len(tensors) / holders) for i in range(holders + 1)]
-        groups = [tensors[a:b] for a, b in zip(bounds, bounds[1:])]
-    return ([[]] if metadata_only_first else []) + groups
+    bounds = [round(i * len(tensors) / holders) for i in range(holders + 1)]
+    return ([[]] if metadata_only_first else []) + [tensors[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _field_bytes(parts: list[np.ndarray]) -> bytes:

@@ -33,6 +33,7 @@ class KVCache:
         ]
         self.bytes_per_token = sum(
             torch.Size(shape).numel() * dtype.itemsize for shape in entry_shapes.values()) * num_layers
+        self.reserved_bytes = self.bytes_per_token * num_slots  # allocated zeroed: pages arrive as they are written
         # (slots tensor, run start) of the last few slot tensors read: every layer of a step reads
         # the same context tensor, so its check runs once per step. Holding the tensors means an
         # id is never that of a recycled one.
