@@ -16,6 +16,7 @@ from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels import native
+from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantLinear
@@ -38,8 +39,9 @@ def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
               scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
-              first_position: int = 0) -> torch.Tensor:
-    """Causal attention of new queries over the context, computed in float32.
+              first_position: int = 0, gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal attention of new queries over the context, computed in float32 (softmax always; the
+    matrix products in bfloat16 where `gemm_dtype` says so: `grouped_attention`).
 
     q [T, H, D] at absolute `q_positions` [T]; k [C, G, D] and v [C, G, Dv] hold positions
     `first_position`..`first_position`+C-1. `window_tokens` > 0: each query sees only itself and
@@ -48,7 +50,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     Returns [T, H, Dv] in q's dtype.
     """
     return grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), q_positions, scale,
-                             window_tokens=window_tokens, sinks=sinks, first_position=first_position)
+                             window_tokens=window_tokens, sinks=sinks, first_position=first_position,
+                             gemm_dtype=gemm_dtype)
 
 
 def host_positions(q_positions: torch.Tensor) -> list[int] | None:
@@ -59,7 +62,7 @@ def host_positions(q_positions: torch.Tensor) -> list[int] | None:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                       scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
-                      first_position: int = 0) -> torch.Tensor:
+                      first_position: int = 0, gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`attention` with k [G, C, D] and v [G, C, Dv] in the KV cache's layout.
 
     Grouped query heads are never expanded: the R = H/G query heads of a kv head become R rows of
@@ -68,11 +71,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     queries see (causal: none after its last query; sliding: none before its first one's window)
     and masks only where its queries disagree, so a decode step masks nothing. Float32 k/v are
     read in place; others are converted once.
+
+    `gemm_dtype` bfloat16 (the fast mode's bfloat16 cache on a CPU with bfloat16 dot products): the
+    two matrix products take bfloat16 operands, the cache's own dtype, as the prompt's linears do,
+    8x float32's rate here; scores are rounded to bfloat16 once, softmax stays float32.
     """
     T, H, D = q.shape
     G, C, Dv = k.shape[0], k.shape[1], v.shape[2]
     R = H // G
-    kf, vf = k.float(), v.float()
+    low = gemm_dtype == torch.bfloat16 and T > 1 and k.dtype == v.dtype == torch.bfloat16
+    kf, vf = (k, v) if low else (k.float(), v.float())
     qf = q.float() * scale
     if T == 1 and sinks is None and q_positions.device.type == "cpu":  # decode: a few calls
         lo = 0
@@ -83,7 +91,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         out = torch.bmm(probs, vf).view(1, H, Dv)
         return out if out.dtype == q.dtype else out.to(q.dtype)
     qf = qf.reshape(T, G, R, D).transpose(0, 1).reshape(G, T * R, D)
-    out = torch.empty(G, T * R, Dv, dtype=torch.float32, device=q.device)
+    if low:
+        qf = qf.to(torch.bfloat16)
+    out = torch.empty(G, T * R, Dv, dtype=kf.dtype if low else torch.float32, device=q.device)
     positions = host_positions(q_positions)
     sink = None if sinks is None else sinks.float().view(G, 1, R, 1)
     step = max(1, SCORES_PER_CHUNK // max(1, H * C))
@@ -100,7 +110,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
                     mask_from = max(0, p_min + 1 - first_position)
             else:
                 mask_from = max(0, p_min + 1 - first_position)
-        scores = torch.bmm(qf[:, rows], kf[:, lo:hi].mT).view(G, t1 - t0, R, hi - lo)
+        scores = torch.bmm(qf[:, rows], kf[:, lo:hi].mT).float().view(G, t1 - t0, R, hi - lo)
         if mask_from < hi:  # some key in [mask_from, hi) is out of some query's reach
             start = max(lo, mask_from)
             context = torch.arange(first_position + start, first_position + hi, device=k.device)
@@ -117,7 +127,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
             top = torch.maximum(scores.amax(-1, keepdim=True), sink)
             probs = torch.exp(scores - top)
             probs /= probs.sum(-1, keepdim=True) + torch.exp(sink - top)
-        torch.bmm(probs.view(G, (t1 - t0) * R, hi - lo), vf[:, lo:hi], out=out[:, rows])
+        torch.bmm(probs.view(G, (t1 - t0) * R, hi - lo).to(vf.dtype), vf[:, lo:hi], out=out[:, rows])
     return out.view(G, T, R, Dv).transpose(0, 1).reshape(T, H, Dv).to(q.dtype)
 
 
@@ -228,13 +238,15 @@ class MultiHeadAttention:
                                    window_tokens=window, sinks=w.sinks)
             return linear(out.flatten(1), w.out, w.out_bias)
         parts, one = [], len(batch.seqs) == 1
+        gemm = gemm_dtype() if kv.device.type == "cpu" else torch.float32
         for s in batch.seqs:
             first = _first_visible_position(s, window)
             # The whole context is the step's own tensor, so the cache recognises it across layers.
             ctx = kv.read_pooled(i, s.context_slots[first:] if first else s.context_slots)
             parts.append(grouped_attention(q if one else q[s.start : s.end], ctx["k"], ctx["v"],
                                            batch.positions if one else batch.positions[s.start : s.end],
-                                           self.scale, window_tokens=window, sinks=w.sinks, first_position=first))
+                                           self.scale, window_tokens=window, sinks=w.sinks, first_position=first,
+                                           gemm_dtype=gemm))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return linear(out.flatten(1), w.out, w.out_bias)
 
