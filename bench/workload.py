@@ -1,7 +1,9 @@
 """What `splitmoe bench run` asks of every engine (services, in-process, llama.cpp), and the
 figures it derives from token arrival times, so all three are measured the same way.
 
-The workload: a warm-up prompt, one `prompt_tokens` prompt answered with a single token (prefill),
+The workload: a warm-up prompt, `prefill_runs` prompts of `prompt_tokens` answered with a single
+token each (prefill: the fastest counts, for every engine alike, as one run on a busy machine can
+be slowed by anything),
 the same length answered with `decode_tokens` tokens (time to first token, single-stream decode),
 then `streams` short prompts decoded together for `decode_tokens` tokens each (aggregate decode).
 Prompts are token ids drawn from the model's normal tokens with a fixed seed: random-weight models
@@ -23,6 +25,7 @@ class Workload:
     streams: int = 16                 # concurrent streams of the aggregate decode
     stream_prompt_tokens: int = 16    # each concurrent stream's own short prompt
     seed: int = 0
+    prefill_runs: int = 3             # distinct prefill prompts timed; the fastest counts
     # More concurrent-stream counts to decode at (the curve of `--plot`), besides 1 and `streams`.
     sweep: tuple[int, ...] = ()
 
@@ -34,6 +37,8 @@ class Workload:
                              f"got {self.decode_tokens}")
         if self.streams < 1:
             raise ValueError(f"--streams must be >= 1, got {self.streams}")
+        if self.prefill_runs < 1:
+            raise ValueError(f"prefill_runs must be >= 1, got {self.prefill_runs}")
         object.__setattr__(self, "sweep", tuple(sorted({int(n) for n in self.sweep} - {1, self.streams})))
         if any(not 1 < n < self.streams for n in self.sweep):
             raise ValueError(f"sweep stream counts must lie between 1 and --streams {self.streams}: {self.sweep}")
@@ -48,7 +53,7 @@ class Workload:
 @dataclass(frozen=True, slots=True)
 class Prompts:
     warmup: list[int]
-    prefill: list[int]
+    prefills: list[list[int]]
     single: list[int]
     streams: list[list[int]] = field(default_factory=list)
 
@@ -70,8 +75,8 @@ def make_prompts(workload: Workload, candidates: np.ndarray) -> Prompts:
         return [int(i) for i in rng.choice(candidates, size=n)]
 
     w = workload
-    return Prompts(draw(w.prompt_tokens), draw(w.prompt_tokens), draw(w.prompt_tokens),
-                   [draw(w.stream_prompt_tokens) for _ in range(w.streams)])
+    return Prompts(draw(w.prompt_tokens), [draw(w.prompt_tokens) for _ in range(w.prefill_runs)],
+                   draw(w.prompt_tokens), [draw(w.stream_prompt_tokens) for _ in range(w.streams)])
 
 
 # ---- figures from arrival times -----------------------------------------------------------------
