@@ -26,6 +26,7 @@ REFERENCE = {
     "qwen2moe": "qwen2moe-q8_0.gguf",
     "mixtral": "mixtral-q8_0.gguf",
     "olmoe": "olmoe-q8_0.gguf",
+    "dbrx": "dbrx-q8_0.gguf",
 }
 # Naming keys derived from the directory and parameter count, not hyper-parameters.
 @pytest.fixture(scope="module", params=list(REFERENCE))

@@ -5,7 +5,7 @@ runtime serves, so tests can make GGUFs of any size and config without llama.cpp
 
     Qwen3MoeForCausalLM -> qwen3moe     Qwen2MoeForCausalLM -> qwen2moe
     MixtralForCausalLM  -> llama        OlmoeForCausalLM    -> olmoe
-    GptOssForCausalLM   -> gpt-oss
+    GptOssForCausalLM   -> gpt-oss        DbrxForCausalLM     -> dbrx
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> deepseek2
 
 What the converter does, and this helper too (see ../shared/fixtures/README.md):
@@ -13,6 +13,7 @@ What the converter does, and this helper too (see ../shared/fixtures/README.md):
 * experts are stacked into [n_expert, out, in] `ffn_{gate,up,down}_exps` tensors (or, for the
   old Mixtral files, one `ffn_{gate,up,down}.E` tensor per expert);
 * Mixtral's q/k rows are permuted from HF's rotate-half order into interleaved pairs;
+* DBRX's experts [E·F, H] are viewed per expert, `w2` transposed (HF computes x @ w2 with it);
 * only the hyper-parameter keys llama.cpp writes for the architecture are written.
 
 transformers 5 fuses each layer's experts into 3-D `gate_up_proj` / `down_proj` parameters;
@@ -40,6 +41,7 @@ ARCH_BY_CLASS = {
     "GptOssForCausalLM": "gpt-oss",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "DbrxForCausalLM": "dbrx",
 }
 
 _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -98,6 +100,9 @@ def hparams(config) -> dict[str, Any]:
 
 
 def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+    if arch == "dbrx":  # its config names its own keys
+        _write_dbrx_hparams(w, hp)
+        return
     if arch == "deepseek2":
         hp = _deepseek2_view(hp)
     # TextModel.set_gguf_parameters: the keys every architecture gets.
@@ -228,6 +233,8 @@ def gguf_tensors(model: torch.nn.Module, per_expert_tensors: bool = False) -> di
         return gpt_oss_tensors(model)
     if arch == "deepseek2":
         return deepseek2_tensors(model)
+    if arch == "dbrx":
+        return dbrx_tensors(model)
     hp = hparams(model.config)
     state = _stack_experts(_split_state(model, hp))
     out: dict[str, torch.Tensor] = {}
@@ -465,3 +472,60 @@ def _split_kv_b(p: str, kv_b: torch.Tensor, hp: dict[str, Any]) -> dict[str, tor
     per_head = kv_b.view(hp["num_attention_heads"], nope + v, kv_b.shape[-1])
     k_b, v_b = per_head.split([nope, v], dim=1)
     return {f"{p}attn_k_b.weight": k_b.transpose(1, 2).contiguous(), f"{p}attn_v_b.weight": v_b.contiguous()}
+
+
+# ---- dbrx (DbrxModel in convert_hf_to_gguf.py) -----------------------------------------------
+
+_DBRX_BLOCK = r"transformer\.blocks\.(?P<i>\d+)\."
+_DBRX_NAMES = [(re.compile(pattern), gguf_name) for pattern, gguf_name in [
+    (r"transformer\.wte\.weight", "token_embd.weight"),
+    (r"transformer\.norm_f\.weight", "output_norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.norm_1\.weight", "blk.{i}.attn_norm.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.attn\.Wqkv\.weight", "blk.{i}.attn_qkv.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.attn\.out_proj\.weight", "blk.{i}.attn_output.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.norm_2\.weight", "blk.{i}.attn_output_norm.weight"),
+    (_DBRX_BLOCK + r"ffn\.router\.layer\.weight", "blk.{i}.ffn_gate_inp.weight"),
+    (_DBRX_BLOCK + r"ffn\.experts\.mlp\.w1", "blk.{i}.ffn_gate_exps.weight"),
+    (_DBRX_BLOCK + r"ffn\.experts\.mlp\.v1", "blk.{i}.ffn_up_exps.weight"),
+    (_DBRX_BLOCK + r"ffn\.experts\.mlp\.w2", "blk.{i}.ffn_down_exps.weight"),
+]]
+
+
+def _write_dbrx_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    attn, ffn = hp["attn_config"], hp["ffn_config"]
+    if attn.get("clip_qkv") is None:
+        raise ValueError("llama.cpp's converter needs attn_config.clip_qkv (it writes clamp_kqv unconditionally)")
+    w.add_block_count(hp["n_layers"])
+    w.add_context_length(hp["max_seq_len"])
+    w.add_embedding_length(hp["d_model"])
+    w.add_feed_forward_length(ffn["ffn_hidden_size"])
+    w.add_head_count(hp["n_heads"])
+    w.add_head_count_kv(attn["kv_n_heads"])
+    w.add_rope_freq_base(attn["rope_theta"])
+    w.add_clamp_kqv(attn["clip_qkv"])
+    w.add_expert_count(ffn["moe_num_experts"])
+    w.add_expert_used_count(ffn["moe_top_k"])
+    w.add_layer_norm_eps(1e-5)  # whatever the config says: also transformers' LayerNorm default
+
+
+def dbrx_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 tensor in torch order: experts [E·F, H] as [E, F, H], `w2` as [E, H, F]."""
+    hp = hparams(model.config)
+    ffn = hp["ffn_config"]
+    experts, width = ffn["moe_num_experts"], ffn["ffn_hidden_size"]
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to(torch.float32).cpu()
+        for pattern, gguf_name in _DBRX_NAMES:
+            if m := pattern.fullmatch(hf_name):
+                name = gguf_name.format(**m.groupdict())
+                break
+        else:
+            raise KeyError(f"no GGUF name for transformers tensor {hf_name!r}")
+        if name.endswith("_exps.weight"):
+            tensor = tensor.view(experts, width, hp["d_model"])
+            if "ffn_down" in name:
+                tensor = tensor.transpose(1, 2).contiguous()
+        out[name] = tensor
+    return out
