@@ -12,6 +12,7 @@ QUANTS = ["q8_0", "q4_k_m"]
 # The exact-dequant reference of each quantized file: transformers on its dequantized weights, or
 # for deepseek (no transformers class) llama.cpp on an all-F32 copy of it.
 EXACT = {"deepseek": "llamacpp_deq"}
+EXACT_F32 = {"deepseek": "llamacpp_f32"}  # and of its original weights
 # The families held to the per-position bound of issue 16. Of the older ones, qwen3moe's q8_0 file
 # has 2 such positions in bfloat16 where llama.cpp has 1; they keep the aggregate bound.
 PER_POSITION_ARCHS = ["dbrx", "deepseek"]
@@ -37,8 +38,8 @@ def rel_l2(x, ref):
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def each_prompt(fixtures_dir, tmp_path, model, ref_name, dtype="float32"):
-    arch_dir = model.parent
+def each_prompt(fixtures_dir, tmp_path, model, ref_name, dtype="float32", arch_dir=None):
+    arch_dir = arch_dir or model.parent
     for i, p in enumerate(prompts(fixtures_dir)):
         got = run_logits(tmp_path, model, p["ids"], dtype)
         ref = np.load(arch_dir / "ref" / f"{ref_name}_p{i}.npy")
@@ -49,6 +50,20 @@ def each_prompt(fixtures_dir, tmp_path, model, ref_name, dtype="float32"):
 def test_qwen3moe_f32_matches_transformers(fixtures_dir, tmp_path):
     model = fixtures_dir / "qwen3moe" / "qwen3moe-f32.gguf"
     for got, ref in each_prompt(fixtures_dir, tmp_path, model, "hf_float32"):
+        assert np.abs(got - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_conversion_matches_the_checkpoint_reference(fixtures_dir, tmp_path, arch):
+    """Only qwen3moe ships an f32 GGUF: the others' checkpoints converted here to F32 (by the
+    test converter, which test_hf_to_gguf_layout holds to llama.cpp's bytes) must give the
+    references of the original weights, `hf_float32` (deepseek: llama.cpp's `llamacpp_f32`)."""
+    from tests.support.hf_to_gguf import F32, convert, load_checkpoint
+
+    arch_dir = fixtures_dir / arch
+    model = convert(load_checkpoint(arch_dir / "hf"), tmp_path / f"{arch}-f32.gguf", F32,
+                    tokenizer_from=arch_dir / f"{arch}-q8_0.gguf")
+    for got, ref in each_prompt(fixtures_dir, tmp_path, model, EXACT_F32.get(arch, "hf_float32"), arch_dir=arch_dir):
         assert np.abs(got - ref).max() <= 1e-4
 
 

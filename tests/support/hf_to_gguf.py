@@ -7,6 +7,7 @@ runtime serves, so tests can make GGUFs of any size and config without llama.cpp
     MixtralForCausalLM  -> llama        OlmoeForCausalLM    -> olmoe
     GptOssForCausalLM   -> gpt-oss        DbrxForCausalLM     -> dbrx
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> deepseek2
+    DeepseekForCausalLM (DeepSeek-MoE, a `Checkpoint`: transformers has no class) -> deepseek
 
 What the converter does, and this helper too (see ../shared/fixtures/README.md):
 * tensors keep torch order here; GGUFWriter lists the dims fastest-first;
@@ -21,9 +22,11 @@ transformers 4 kept one nn.Linear per expert. Both state-dict layouts are accept
 """
 from __future__ import annotations
 
+import json
 import re
 from os import PathLike
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import gguf
@@ -42,6 +45,7 @@ ARCH_BY_CLASS = {
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
     "DbrxForCausalLM": "dbrx",
+    "DeepseekForCausalLM": "deepseek",
 }
 
 _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -84,8 +88,35 @@ def convert(model: torch.nn.Module, path: str | PathLike, tensor_type: GGMLQuant
     return Path(path)
 
 
-def arch_of(model: torch.nn.Module) -> str:
-    name = type(model).__name__
+class Checkpoint:
+    """A checkpoint directory whose class transformers lacks (DeepSeek-MoE's is remote code), standing
+    in for the model where `convert` reads one: its class name, config and state dict."""
+
+    def __init__(self, directory: str | PathLike):
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config = json.loads((directory / "config.json").read_text())
+        self.class_name = config["architectures"][0]
+        self.config = SimpleNamespace(to_dict=lambda: dict(config))
+        self._state = load_file(directory / "model.safetensors")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+def load_checkpoint(directory: str | PathLike) -> torch.nn.Module | Checkpoint:
+    """A checkpoint directory's model in float32: transformers', or a `Checkpoint` where it has no class."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(directory) / "config.json").read_text())
+    if config["architectures"][0] == "DeepseekForCausalLM":
+        return Checkpoint(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def arch_of(model: torch.nn.Module | Checkpoint) -> str:
+    name = getattr(model, "class_name", type(model).__name__)
     if name not in ARCH_BY_CLASS:
         raise ValueError(f"{name} is not supported (supported: {', '.join(ARCH_BY_CLASS)})")
     return ARCH_BY_CLASS[name]
@@ -105,6 +136,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
         return
     if arch == "deepseek2":
         hp = _deepseek2_view(hp)
+    if arch == "deepseek":
+        hp = {**hp, "num_experts": hp["n_routed_experts"]}
     # TextModel.set_gguf_parameters: the keys every architecture gets.
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
@@ -134,6 +167,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
         _write_gpt_oss_hparams(w, hp)
     if arch == "deepseek2":
         _write_deepseek2_hparams(w, hp)
+    if arch == "deepseek":
+        _write_deepseek_hparams(w, hp)
 
 
 def _rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +270,9 @@ def gguf_tensors(model: torch.nn.Module, per_expert_tensors: bool = False) -> di
         return deepseek2_tensors(model)
     if arch == "dbrx":
         return dbrx_tensors(model)
+    if arch == "deepseek":  # deepseek2's names, with Llama's q/k permutation for its MHA
+        hp = hparams(model.config)
+        return {name: _permute_for_interleaved_rope(name, t, hp) for name, t in deepseek2_tensors(model).items()}
     hp = hparams(model.config)
     state = _stack_experts(_split_state(model, hp))
     out: dict[str, torch.Tensor] = {}
@@ -447,6 +485,19 @@ def _write_deepseek2_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     mscale_all_dim = _rope_parameters(hp).get("mscale_all_dim")
     if mscale_all_dim is not None:
         w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)  # the converter's 0.1 factor, undone by readers
+
+
+def _write_deepseek_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """DeepseekModel's keys (DeepSeek-MoE): no key for `norm_topk_prob` or `moe_layer_freq`."""
+    if "scoring_func" in hp:
+        w.add_expert_gating_func(_GATING_FUNC[hp["scoring_func"]])
+    w.add_rope_dimension_count(hp.get("head_dim", hp["hidden_size"] // hp["num_attention_heads"]))
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_weights_scale(1.0)
+    w.add_expert_shared_count(hp["n_shared_experts"])
 
 
 def deepseek2_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
