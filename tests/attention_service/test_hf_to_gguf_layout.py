@@ -12,7 +12,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 
 from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
 from tests.support.hf_to_gguf import F32, Q8_0, convert, load_checkpoint
