@@ -21,7 +21,8 @@ class Architecture:
     gguf_arch: str
     # The routed experts' act(gate, up) (kernels.moe.ACTIVATIONS).
     expert_activation: str = ACT_SILU
-    # ModelConfig values for metadata keys the architecture's files may omit (by field name).
+    # ModelConfig values for metadata keys the architecture's files may omit, and for what no key
+    # states (the gating, the norm kind), by field name.
     hparam_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Keys llama.cpp requires of these files, though other architectures' may omit them.
     required_keys: tuple[str, ...] = ()
