@@ -24,12 +24,8 @@ class Architecture:
     # ModelConfig values for metadata keys the architecture's files may omit, and for what no key
     # states (the gating, the norm kind), by field name.
     hparam_defaults: Mapping[str, Any] = field(default_factory=dict)
-    # Keys llama.cpp requires of these files, though other architectures' may omit them.
-    required_keys: tuple[str, ...] = ()
 
     def config(self, g: GGUFFile) -> ModelConfig:
-        for key in self.required_keys:
-            g.arch_require(key)
         return ModelConfig.from_gguf(g, self.hparam_defaults)
 
 
@@ -50,9 +46,9 @@ DEEPSEEK2 = Architecture("deepseek2", hparam_defaults={"expert_weights_norm": Fa
 GPT_OSS = Architecture("gpt-oss", expert_activation=ACT_SWIGLU_OAI,
                        hparam_defaults={"expert_gating": GATING_SOFTMAX_WEIGHT, "expert_weights_norm": False})
 # attention_service/models/dbrx.py. LayerNorms; softmax routing whose top-k llama.cpp always
-# renormalises (the converter writes no key for `moe_normalize_expert_weights`: DBRX's is 1.0).
-DBRX = Architecture("dbrx", hparam_defaults={"norm": NORM_LAYER, "expert_weights_norm": True},
-                    required_keys=("attention.clamp_kqv",))
+# renormalises (the converter writes no key for `moe_normalize_expert_weights`: DBRX's is 1.0);
+# `attention.clamp_kqv` required (None), as llama.cpp's reader requires it.
+DBRX = Architecture("dbrx", hparam_defaults={"norm": NORM_LAYER, "expert_weights_norm": True, "clamp_kqv": None})
 # attention_service/models/deepseek.py (DeepSeek-MoE 16B). llama.cpp's graph fixes softmax without
 # renormalisation; DeepSeek-MoE's `norm_topk_prob` has no key.
 DEEPSEEK = Architecture("deepseek", hparam_defaults={"expert_weights_norm": False})

@@ -132,7 +132,8 @@ class ModelConfig:
             num_expert_groups=num_groups,
             num_expert_groups_used=r.integer("expert_group_used_count", 0, hi=num_groups),
             norm=norm,
-            clamp_kqv=r.non_negative("attention.clamp_kqv", 0.0),
+            # An architecture whose default is None requires the key (dbrx, as llama.cpp does).
+            clamp_kqv=r.non_negative("attention.clamp_kqv", defaults.get("clamp_kqv", 0.0)),
         )
 
 
@@ -161,8 +162,8 @@ class _Reader:
                       + " and finite")
         return value
 
-    def non_negative(self, key: str, default: float) -> float:
-        value = self.g.arch_value(key, float, default)
+    def non_negative(self, key: str, default: float | None) -> float:
+        value = self.g.arch_value(key, float) if default is None else self.g.arch_value(key, float, default)
         if not 0 <= value < math.inf:
             self.fail(key, value, "must be >= 0 and finite")
         return value
