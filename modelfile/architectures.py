@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI
 from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
+from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, NORM_LAYER, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class Architecture:
     gguf_arch: str
     # The routed experts' act(gate, up) (kernels.moe.ACTIVATIONS).
     expert_activation: str = ACT_SILU
-    # ModelConfig values for metadata keys the architecture's files may omit (by field name).
+    # ModelConfig values for metadata keys the architecture's files may omit, and for what no key
+    # states (the gating, the norm kind), by field name.
     hparam_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def config(self, g: GGUFFile) -> ModelConfig:
@@ -44,9 +45,16 @@ DEEPSEEK2 = Architecture("deepseek2", hparam_defaults={"expert_weights_norm": Fa
 # has them), routed by a softmax over the top-k raw logits.
 GPT_OSS = Architecture("gpt-oss", expert_activation=ACT_SWIGLU_OAI,
                        hparam_defaults={"expert_gating": GATING_SOFTMAX_WEIGHT, "expert_weights_norm": False})
+# attention_service/models/dbrx.py. LayerNorms; softmax routing whose top-k llama.cpp always
+# renormalises (the converter writes no key for `moe_normalize_expert_weights`: DBRX's is 1.0);
+# `attention.clamp_kqv` required (None), as llama.cpp's reader requires it.
+DBRX = Architecture("dbrx", hparam_defaults={"norm": NORM_LAYER, "expert_weights_norm": True, "clamp_kqv": None})
+# attention_service/models/deepseek.py (DeepSeek-MoE 16B). llama.cpp's graph fixes softmax without
+# renormalisation; DeepSeek-MoE's `norm_topk_prob` has no key.
+DEEPSEEK = Architecture("deepseek", hparam_defaults={"expert_weights_norm": False})
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in (QWEN3MOE, QWEN2MOE, MIXTRAL, OLMOE, DEEPSEEK2,
-                                                                   GPT_OSS)}
+                                                                   GPT_OSS, DBRX, DEEPSEEK)}
 
 
 def architecture(gguf_arch: str) -> Architecture:

@@ -16,6 +16,9 @@ from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 GATING_SOFTMAX, GATING_SIGMOID = "softmax", "sigmoid"
 GATING_SOFTMAX_WEIGHT = "softmax_weight"  # softmax over the chosen top-k logits only (gpt-oss)
 _GATING_BY_CODE = {1: GATING_SOFTMAX, 2: GATING_SIGMOID}
+# The norm every layer and the output use: RMSNorm, or LayerNorm without bias (DBRX), each with its
+# own epsilon key. No file states it: llama.cpp's graph for the architecture does.
+NORM_RMS, NORM_LAYER = "rms", "layer"
 
 # The largest released models have ~128 layers, 16k-wide embeddings, 128 heads, 512 experts,
 # 262k-token vocabularies and 10M-token contexts.
@@ -72,6 +75,9 @@ class ModelConfig:
     # Grouped top-k (DeepSeek-V3): only experts of the best `num_expert_groups_used` groups compete.
     num_expert_groups: int = 0
     num_expert_groups_used: int = 0
+    norm: str = NORM_RMS
+    # q, k and v clamped to [-clamp_kqv, clamp_kqv] after projection (DBRX); 0: not clamped.
+    clamp_kqv: float = 0.0
 
     @classmethod
     def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None) -> "ModelConfig":
@@ -82,6 +88,7 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig defaults: {sorted(unknown)}")
         r = _Reader(g)
+        norm = defaults.get("norm", NORM_RMS)
         hidden = r.integer("embedding_length", lo=1, hi=MAX_WIDTH)
         heads = r.integer("attention.head_count", lo=1, hi=MAX_HEADS)
         head_dim = r.integer("attention.key_length", hidden // heads, lo=1, hi=MAX_HEAD_DIM)
@@ -104,7 +111,7 @@ class ModelConfig:
             value_head_dim=r.integer("attention.value_length", head_dim, lo=1, hi=MAX_HEAD_DIM),
             vocab_size=_vocab_size(g, r),
             context_tokens=r.integer("context_length", 4096, lo=1, hi=MAX_CONTEXT),
-            norm_eps=r.positive("attention.layer_norm_rms_epsilon", 1e-6, below=1.0),
+            norm_eps=_norm_eps(r, norm),
             rope_theta=r.positive("rope.freq_base", defaults.get("rope_theta", 10000.0)),
             rope_dims=r.integer("rope.dimension_count", head_dim, lo=2, hi=head_dim, multiple_of=2),
             rope_scaling=_rope_scaling(r),
@@ -124,6 +131,9 @@ class ModelConfig:
             mla_value_head_dim=r.integer("attention.value_length_mla", 0, hi=MAX_HEAD_DIM),
             num_expert_groups=num_groups,
             num_expert_groups_used=r.integer("expert_group_used_count", 0, hi=num_groups),
+            norm=norm,
+            # An architecture whose default is None requires the key (dbrx, as llama.cpp does).
+            clamp_kqv=r.non_negative("attention.clamp_kqv", defaults.get("clamp_kqv", 0.0)),
         )
 
 
@@ -152,6 +162,12 @@ class _Reader:
                       + " and finite")
         return value
 
+    def non_negative(self, key: str, default: float | None) -> float:
+        value = self.g.arch_value(key, float) if default is None else self.g.arch_value(key, float, default)
+        if not 0 <= value < math.inf:
+            self.fail(key, value, "must be >= 0 and finite")
+        return value
+
     def finite(self, key: str, default: float) -> float:
         value = self.g.arch_value(key, float, default)
         if not math.isfinite(value):
@@ -167,6 +183,14 @@ class _Reader:
     def fail(self, key: str, value: Any, why: str) -> None:
         absent = "" if self.g.get(f"{self.g.arch}.{key}") is not None else " (absent from the file: its default)"
         raise GGUFError(f"{self.g.path.name}: metadata key '{self.g.arch}.{key}' = {value}{absent} {why}")
+
+
+def _norm_eps(r: _Reader, norm: str) -> float:
+    if norm == NORM_LAYER:  # llama.cpp requires the key of these files
+        return r.positive("attention.layer_norm_epsilon", below=1.0)
+    if norm != NORM_RMS:
+        raise ValueError(f"norm {norm!r}: want {NORM_RMS} or {NORM_LAYER}")
+    return r.positive("attention.layer_norm_rms_epsilon", 1e-6, below=1.0)
 
 
 def _vocab_size(g: GGUFFile, r: _Reader) -> int:

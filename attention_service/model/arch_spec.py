@@ -27,6 +27,8 @@ class ArchSpec:
     qk_norm: str = QK_NORM_NONE
     # Biases on q/k/v (Qwen2): loaded and required.
     qkv_bias: bool = False
+    # q, k and v stored as one `attn_qkv` weight, rows q | k | v (DBRX): split by rows at load.
+    fused_qkv: bool = False
     # Interleaved (GPT-J) rope pairs: llama.cpp's converter permutes Llama/Mixtral q/k rows for it.
     rope_interleaved: bool = False
     shared_expert: str = SHARED_EXPERT_NONE

@@ -1,4 +1,5 @@
-"""Multi-head attention with grouped KV heads over the paged cache (Qwen, Mixtral, OLMoE, gpt-oss).
+"""Multi-head attention with grouped KV heads over the paged cache (Qwen, Mixtral, OLMoE, gpt-oss,
+DBRX, DeepSeek-MoE).
 
 An architecture names its attention kind in its ArchSpec (attention_kinds.py maps kinds to classes);
 each class loads its own weights, declares its KV cache entries and computes one layer. MLA
@@ -20,7 +21,7 @@ from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantLinear
-from splitmoe.modelfile.hparams import ModelConfig
+from splitmoe.modelfile.hparams import NORM_RMS, ModelConfig
 
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
 SCORES_PER_CHUNK = 1 << 22
@@ -180,9 +181,13 @@ class MultiHeadAttention:
                 return None
             return load.norm(name, (Dk,) if spec.qk_norm == QK_NORM_PER_HEAD else (heads * Dk,))
 
+        if spec.fused_qkv:
+            q, k, v = load.linear_parts(p + "attn_qkv.weight", (H * Dk, G * Dk, G * Dv), D)
+        else:
+            q, k, v = (load.linear(p + f"attn_{n}.weight", (rows, D)) for n, rows in (("q", H * Dk), ("k", G * Dk),
+                                                                                        ("v", G * Dv)))
         return AttentionWeights(
-            q=load.linear(p + "attn_q.weight", (H * Dk, D)), k=load.linear(p + "attn_k.weight", (G * Dk, D)),
-            v=load.linear(p + "attn_v.weight", (G * Dv, D)), out=load.linear(p + "attn_output.weight", (D, H * Dv)),
+            q=q, k=k, v=v, out=load.linear(p + "attn_output.weight", (D, H * Dv)),
             q_bias=bias(p + "attn_q.bias", H * Dk), k_bias=bias(p + "attn_k.bias", G * Dk),
             v_bias=bias(p + "attn_v.bias", G * Dv),
             q_norm=qk_norm(p + "attn_q_norm.weight", H), k_norm=qk_norm(p + "attn_k_norm.weight", G),
@@ -200,6 +205,8 @@ class MultiHeadAttention:
         """Layer i's attention half as one native call (kernels.decode_layer), or None where a weight
         has no native route (the float32 mode's dense weights, a type the kernels lack)."""
         if not all(isinstance(m, QuantLinear) and m.route == "native" for m in (w.q, w.k, w.v, w.out)):
+            return None
+        if self.cfg.clamp_kqv or self.cfg.norm != NORM_RMS:  # the native layer has RMSNorm and no clamp
             return None
         c, pools = self.cfg, kv.pools(i)
         return AttentionFront(
@@ -222,6 +229,8 @@ class MultiHeadAttention:
         if isinstance(w.q, QuantLinear):
             h = h.float()  # what the quantized routes take: converted once for q, k and v
         q, k, v = w.qkv(h, (w.q_bias, w.k_bias, w.v_bias))
+        if c.clamp_kqv:
+            q, k, v = (t.clamp(-c.clamp_kqv, c.clamp_kqv) for t in (q, k, v))
         if self.spec.qk_norm == QK_NORM_FULL:
             q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q = q.view(-1, c.num_heads, c.head_dim)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from splitmoe.kernels.linear import QuantLinear, linear  # noqa: F401 - re-exported: the one linear every layer uses
-from splitmoe.modelfile.hparams import RopeScaling
+from splitmoe.modelfile.hparams import NORM_LAYER, NORM_RMS, RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +25,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm with a weight and no bias (DBRX), computed in float32, returned in x's dtype."""
+    return F.layer_norm(x.float(), weight.shape, weight.float(), None, eps).to(x.dtype)
+
+
+# The norm function of each ModelConfig.norm.
+NORMS = {NORM_RMS: rms_norm, NORM_LAYER: layer_norm}
 
 
 class Rope:

@@ -1,6 +1,6 @@
 """The decoder stack every supported architecture shares, wired by its ArchSpec.
 
-Per layer: RMSNorm -> attention over the paged KV cache -> residual -> RMSNorm -> FFN -> residual,
+Per layer: norm -> attention over the paged KV cache -> residual -> norm -> FFN -> residual,
 where the FFN is either dense SwiGLU or MoE (router here, routed experts through the
 ExpertBackend once per layer, shared expert here).
 
@@ -23,7 +23,7 @@ from splitmoe.attention_service.model.attention import use_native_decode
 from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.model.kv_cache import KVCache
-from splitmoe.attention_service.model.layers import linear, rms_norm, swiglu
+from splitmoe.attention_service.model.layers import NORMS, linear, swiglu
 from splitmoe.attention_service.model.routing import limit_experts, route, sums_to_one
 from splitmoe.attention_service.model.weights import LayerWeights, ModelWeights
 from splitmoe.modelfile.hparams import ModelConfig
@@ -50,6 +50,7 @@ class MoETransformer:
         self.cfg, self.spec, self.weights, self.experts = cfg, spec, weights, experts
         self.attention = attention_class(spec)(cfg, spec, weights.token_embedding.device)
         self.dtype = weights.token_embedding.dtype
+        self.norm = NORMS[cfg.norm]
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, not {micro_batches}")
         self.micro_batches = micro_batches
@@ -82,9 +83,9 @@ class MoETransformer:
                 x += self._ffn(i, layer, h32, batch, top_k, logits)
         else:
             for i, layer in enumerate(w.layers):
-                x = x + self.attention(i, layer.attn, rms_norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
-                x = x + self._ffn(i, layer, rms_norm(x, layer.ffn_norm, eps), batch, top_k)
-        x = rms_norm(x[batch.logits_rows], w.output_norm, eps).to(self.dtype)
+                x = x + self.attention(i, layer.attn, self.norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
+                x = x + self._ffn(i, layer, self.norm(x, layer.ffn_norm, eps), batch, top_k)
+        x = self.norm(x[batch.logits_rows], w.output_norm, eps).to(self.dtype)
         return linear(x, w.output).float()
 
     def _pipelined(self, x: torch.Tensor, parts: list[tuple[StepBatch, slice]], kv: KVCache,
@@ -98,9 +99,9 @@ class MoETransformer:
             for m, (mb, _) in enumerate(parts):
                 if pending[m] is not None:
                     xs[m] = xs[m] + pending[m].finish()
-                h = rms_norm(xs[m], layer.attn_norm, eps).to(self.dtype)
+                h = self.norm(xs[m], layer.attn_norm, eps).to(self.dtype)
                 xs[m] = xs[m] + self.attention(i, layer.attn, h, mb, kv)
-                pending[m] = self._start_ffn(i, layer, rms_norm(xs[m], layer.ffn_norm, eps), mb, top_k)
+                pending[m] = self._start_ffn(i, layer, self.norm(xs[m], layer.ffn_norm, eps), mb, top_k)
         for m in range(len(parts)):
             xs[m] = xs[m] + pending[m].finish()
         return torch.cat(xs)

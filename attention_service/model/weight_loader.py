@@ -12,6 +12,9 @@ tensors nothing reads (a renamed `output.weight` must not pass as a tied embeddi
 """
 from __future__ import annotations
 
+import itertools
+from typing import Sequence
+
 import torch
 
 from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, is_block_quantized
@@ -48,7 +51,17 @@ class WeightLoader:
 
     def linear(self, name: str, shape: Shape) -> torch.Tensor | QuantLinear:
         """A weight used as x @ W.T: a QuantLinear in the fast mode when its type is block-quantized."""
-        qt = self.tensor(name, shape)
+        return self._linear(self.tensor(name, shape))
+
+    def linear_parts(self, name: str, rows: Sequence[int], in_features: int) -> list[torch.Tensor | QuantLinear]:
+        """Linears stored stacked by rows in one tensor (DBRX's `attn_qkv`: q | k | v), one per `rows`
+        count. Quant blocks never cross a row, so each part is a view of the file's rows."""
+        qt = self.tensor(name, (sum(rows), in_features))
+        edges = list(itertools.accumulate(rows, initial=0))
+        return [self._linear(QuantTensor(f"{name}[{a}:{b}]", qt.ggml_type, (b - a, in_features), qt.data[a:b]))
+                for a, b in zip(edges, edges[1:])]
+
+    def _linear(self, qt: QuantTensor) -> torch.Tensor | QuantLinear:
         if self.quantized and len(qt.shape) == 2 and is_block_quantized(qt.ggml_type):
             return QuantLinear(qt, self.dtype)
         return self._dense(qt)

@@ -8,7 +8,7 @@ import torch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 
-ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "dbrx", "deepseek"]
 
 
 @pytest.fixture(scope="module")

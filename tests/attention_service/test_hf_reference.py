@@ -70,8 +70,19 @@ def olmoe_config():
         norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=1e4)})
 
 
+def dbrx_config():
+    from transformers import DbrxConfig
+
+    # clip_qkv 1.5 clamps ~13 % of the first layer's q/k/v values (test_dbrx_clip_qkv_is_active).
+    return DbrxConfig(d_model=64, n_heads=4, n_layers=3, max_seq_len=256, vocab_size=VOCAB, tie_word_embeddings=False,
+                      attn_config=dict(clip_qkv=1.5, kv_n_heads=2, rope_theta=1e4),
+                      ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=3,
+                                      moe_normalize_expert_weights=1.0),
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
 CONFIGS = {"qwen3moe": qwen3moe_config, "qwen2moe": qwen2moe_config, "mixtral": mixtral_config,
-           "olmoe": olmoe_config}
+           "olmoe": olmoe_config, "dbrx": dbrx_config}
 
 
 @dataclass
@@ -134,27 +145,33 @@ def test_q8_0_matches_transformers_on_dequantized_weights(case, tmp_path):
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.ffn_gate_exps.weight"] == Q8_0 and types["blk.0.ffn_gate_inp.weight"] == F32
     dequantized = build_model(case.model.config, seed=0)
-    dequantized.load_state_dict(q8_0_rounded(case.model.state_dict()))
+    dequantized.load_state_dict(q8_0_rounded(case.model.state_dict(), case.model.config))
     assert max_abs(splitmoe_logits(path, case.ids), hf_logits(dequantized, case.ids)) <= 1e-3
 
 
-def q8_0_rounded(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def q8_0_rounded(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """The weights llama-quantize's Q8_0 leaves, mapped back to transformers' tensors.
 
-    Q8_0 blocks run along the last (input) dim of every matrix, which the converter never
-    reorders (it permutes rows, splits gate/up by rows, stacks experts), so rounding the
-    transformers tensors row by row gives exactly the dequantized GGUF. The router and the
-    [1, D] shared-expert gate stay F32, as every 1-D tensor does.
+    Q8_0 blocks run along the last (input) dim of every matrix, which the converter reorders only
+    in DBRX's `w2` (stored transposed per expert); elsewhere it permutes rows, splits gate/up by
+    rows, stacks experts, so rounding the transformers tensors row by row gives exactly the
+    dequantized GGUF. The routers and the [1, D] shared-expert gate stay F32, as every 1-D tensor does.
     """
     def quantized(name: str, t: torch.Tensor) -> bool:
         matrix = t.ndim >= 2 and t.shape[0] > 1
-        return matrix and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+        return matrix and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.layer.weight"))
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        data = gguf.quants.quantize(t.contiguous().numpy(), Q8_0)
+        return torch.from_numpy(gguf.quants.dequantize(data, Q8_0).reshape(t.shape))
 
     out = {}
     for name, t in state.items():
-        if quantized(name, t):
-            data = gguf.quants.quantize(t.numpy(), Q8_0)
-            t = torch.from_numpy(gguf.quants.dequantize(data, Q8_0).reshape(t.shape))
+        if name.endswith("experts.mlp.w2"):  # DBRX: rows of F along each expert's [H, F]
+            per_expert = t.view(config.ffn_config.moe_num_experts, -1, t.shape[-1]).transpose(1, 2)
+            t = rounded(per_expert).transpose(1, 2).reshape(t.shape)
+        elif quantized(name, t):
+            t = rounded(t)
         out[name] = t
     return out
 
@@ -186,3 +203,14 @@ def test_qwen3moe_yarn_rope_scaling(tmp_path):
     assert meta["qwen3moe.rope.scaling.factor"] == 4.0
     assert meta["qwen3moe.rope.scaling.original_context_length"] == 32
     assert max_abs(splitmoe_logits(path, ids), hf_logits(model, ids)) <= 1e-4
+
+
+def test_dbrx_clip_qkv_is_active(tmp_path):
+    """The clamp of the tiny DBRX changes transformers' logits by far more than the tests' bounds,
+    so its tests fail without it."""
+    model = build_model(dbrx_config(), seed=100 + list(CONFIGS).index("dbrx"))
+    ids = token_ids(20, seed=0)
+    clamped = hf_logits(model, ids)
+    for block in model.transformer.blocks:
+        block.norm_attn_norm.attn.clip_qkv = 1e9
+    assert max_abs(hf_logits(model, ids), clamped) > 0.05

@@ -12,10 +12,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 
 from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
-from tests.support.hf_to_gguf import F32, Q8_0, convert
+from tests.support.hf_to_gguf import F32, Q8_0, convert, load_checkpoint
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
 pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
@@ -26,16 +25,16 @@ REFERENCE = {
     "qwen2moe": "qwen2moe-q8_0.gguf",
     "mixtral": "mixtral-q8_0.gguf",
     "olmoe": "olmoe-q8_0.gguf",
+    "dbrx": "dbrx-q8_0.gguf",
+    "deepseek": "deepseek-q8_0.gguf",
 }
 # Naming keys derived from the directory and parameter count, not hyper-parameters.
 @pytest.fixture(scope="module", params=list(REFERENCE))
 def case(request, tmp_path_factory):
     """(reference GGUF, our conversion in the reference's tensor type, our f32 conversion), parsed."""
-    from transformers import AutoModelForCausalLM
-
     arch = request.param
     reference = FIXTURES / arch / REFERENCE[arch]
-    model = AutoModelForCausalLM.from_pretrained(FIXTURES / arch / "hf", dtype=torch.float32)
+    model = load_checkpoint(FIXTURES / arch / "hf")
     out = tmp_path_factory.mktemp(arch)
     if "-f32" in reference.name:
         f32 = same_type = parse(convert(model, out / "f32.gguf", F32, tokenizer_from=reference))

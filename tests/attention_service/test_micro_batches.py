@@ -119,14 +119,24 @@ def test_pipelined_step_is_bit_equal_to_the_unsplit_step(f32_model):
 
 def test_pipelined_step_is_close_with_the_production_kernels(f32_model, demo_gguf):
     for path in (f32_model, demo_gguf):
-        g = GGUFFile(path)
-        experts = ThreadedExperts(g, row_by_row=False)
-        try:
-            pipelined = run_steps(path, experts, micro_batches=2)
-        finally:
-            experts.close()
-        for a, b in zip(run_steps(path, InProcessExperts(g), micro_batches=1), pipelined):
-            assert (a - b).abs().max() <= 1e-4
+        assert_pipelined_close(path)
+
+
+@pytest.mark.parametrize("model", ["dbrx/dbrx-q8_0.gguf",  # LayerNorms and the q/k/v clamp in the pipelined loop
+                                   "deepseek/deepseek-q8_0.gguf"])  # a dense layer between MoE ones
+def test_pipelined_step_is_close_on_llama_cpp_fixtures(fixtures_dir, model):
+    assert_pipelined_close(fixtures_dir / model)
+
+
+def assert_pipelined_close(path):
+    g = GGUFFile(path)
+    experts = ThreadedExperts(g, row_by_row=False)
+    try:
+        pipelined = run_steps(path, experts, micro_batches=2)
+    finally:
+        experts.close()
+    for a, b in zip(run_steps(path, InProcessExperts(g), micro_batches=1), pipelined):
+        assert (a - b).abs().max() <= 1e-4
 
 
 def batch(lengths, per_token=None):

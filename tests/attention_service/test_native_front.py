@@ -29,7 +29,8 @@ FIXTURES = ["qwen3moe/qwen3moe-q8_0.gguf",  # per-head q/k norm
             "qwen2moe/qwen2moe-q4_k_m.gguf",  # q/k/v biases, K-quants
             "mixtral/mixtral-q8_0.gguf",  # interleaved rope
             "olmoe/olmoe-q8_0.gguf",  # q/k norm over the whole projection
-            "gptoss/gptoss-q8_0.gguf"]  # sinks, sliding window, output and router biases
+            "gptoss/gptoss-q8_0.gguf",  # sinks, sliding window, output and router biases
+            "deepseek/deepseek-q8_0.gguf"]  # interleaved rope, a leading dense layer, shared experts
 TOL = 1.5e-2  # rel-L2: int8 activations (~0.3% per product) through two products and a softmax
 
 
@@ -141,3 +142,12 @@ def test_demo_model(demo_gguf):
 @pytest.mark.parametrize("model", FIXTURES)
 def test_llama_cpp_fixtures(fixtures_dir, model):
     check(fixtures_dir / model)
+
+
+def test_declined_for_layernorm_and_clamped_qkv(fixtures_dir):
+    """DBRX's layers are not the native front's (it has RMSNorm and no clamp): the torch path runs them."""
+    r = ModelRunner.from_gguf(fixtures_dir / "dbrx" / "dbrx-q8_0.gguf",
+                              RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"), kv_cache_tokens=64))
+    q = r.model.weights.layers[0].attn.q
+    assert isinstance(q, QuantLinear) and q.route == "native"  # declined for the layer, not the weights
+    assert r.model._native_fronts(r.kv) == []

@@ -247,3 +247,26 @@ def test_weights_that_give_non_finite_logits_do_not_exit_0(demo_gguf, tmp_path, 
     line = logits_error(path, tmp_path, capsys)
     assert "nan.gguf: 825 of 825 logits are not finite" in line
     assert not (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.parametrize("key", ["dbrx.attention.clamp_kqv", "dbrx.attention.layer_norm_epsilon"])
+def test_missing_key_llama_cpp_requires_of_dbrx(fixtures_dir, tmp_path, capsys, key):
+    """Keys other architectures' files may omit: DBRX's without them are broken, as llama.cpp says too."""
+    path = tmp_path / "dbrx.gguf"
+    rewrite_gguf(fixtures_dir / "dbrx" / "dbrx-q8_0.gguf", path, drop_keys=(key,))
+    assert logits_error(path, tmp_path, capsys) == f"splitmoe logits: error: dbrx.gguf: missing metadata key '{key}'"
+
+
+def test_fused_qkv_of_the_wrong_height(fixtures_dir, tmp_path, capsys):
+    """attn_qkv must hold q, k and v of the heads the metadata states."""
+    path = tmp_path / "dbrx.gguf"
+    rewrite_gguf(fixtures_dir / "dbrx" / "dbrx-q8_0.gguf", path, set_keys={"dbrx.attention.head_count_kv": 4})
+    line = logits_error(path, tmp_path, capsys)
+    assert "dbrx.gguf" in line and "'blk.0.attn_qkv.weight'" in line
+
+
+def test_negative_clamp_kqv(fixtures_dir, tmp_path, capsys):
+    path = tmp_path / "dbrx.gguf"
+    rewrite_gguf(fixtures_dir / "dbrx" / "dbrx-q8_0.gguf", path, set_keys={"dbrx.attention.clamp_kqv": -2.0})
+    assert logits_error(path, tmp_path, capsys) == (
+        "splitmoe logits: error: dbrx.gguf: metadata key 'dbrx.attention.clamp_kqv' = -2.0 must be >= 0 and finite")

@@ -34,11 +34,11 @@ def reinitialise(model: torch.nn.Module, gen: torch.Generator, special: SpecialI
         noise = torch.randn(p.shape, generator=gen)
         if special is not None and special(name, p, noise):
             continue
-        if name.endswith("norm.weight"):
+        if name.endswith(".weight") and "norm" in name.split(".")[-2]:  # ...layernorm, DBRX's norm_1 / norm_f
             p.copy_(1 + 0.1 * noise)
         elif name.endswith("bias"):
             p.copy_(0.1 * noise)
-        elif "embed_tokens" in name:
+        elif "embed_tokens" in name or name.endswith("wte.weight"):
             p.copy_(noise)
         else:  # matrices, 3-D experts included: the last dim is the input
             p.copy_(noise / p.shape[-1] ** 0.5)

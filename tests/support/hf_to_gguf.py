@@ -5,14 +5,16 @@ runtime serves, so tests can make GGUFs of any size and config without llama.cpp
 
     Qwen3MoeForCausalLM -> qwen3moe     Qwen2MoeForCausalLM -> qwen2moe
     MixtralForCausalLM  -> llama        OlmoeForCausalLM    -> olmoe
-    GptOssForCausalLM   -> gpt-oss
+    GptOssForCausalLM   -> gpt-oss        DbrxForCausalLM     -> dbrx
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> deepseek2
+    DeepseekForCausalLM (DeepSeek-MoE, a `Checkpoint`: transformers has no class) -> deepseek
 
 What the converter does, and this helper too (see ../shared/fixtures/README.md):
 * tensors keep torch order here; GGUFWriter lists the dims fastest-first;
 * experts are stacked into [n_expert, out, in] `ffn_{gate,up,down}_exps` tensors (or, for the
   old Mixtral files, one `ffn_{gate,up,down}.E` tensor per expert);
 * Mixtral's q/k rows are permuted from HF's rotate-half order into interleaved pairs;
+* DBRX's experts [E·F, H] are viewed per expert, `w2` transposed (HF computes x @ w2 with it);
 * only the hyper-parameter keys llama.cpp writes for the architecture are written.
 
 transformers 5 fuses each layer's experts into 3-D `gate_up_proj` / `down_proj` parameters;
@@ -20,9 +22,11 @@ transformers 4 kept one nn.Linear per expert. Both state-dict layouts are accept
 """
 from __future__ import annotations
 
+import json
 import re
 from os import PathLike
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import gguf
@@ -40,6 +44,8 @@ ARCH_BY_CLASS = {
     "GptOssForCausalLM": "gpt-oss",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "DbrxForCausalLM": "dbrx",
+    "DeepseekForCausalLM": "deepseek",
 }
 
 _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -82,8 +88,35 @@ def convert(model: torch.nn.Module, path: str | PathLike, tensor_type: GGMLQuant
     return Path(path)
 
 
-def arch_of(model: torch.nn.Module) -> str:
-    name = type(model).__name__
+class Checkpoint:
+    """A checkpoint directory whose class transformers lacks (DeepSeek-MoE's is remote code), standing
+    in for the model where `convert` reads one: its class name, config and state dict."""
+
+    def __init__(self, directory: str | PathLike):
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config = json.loads((directory / "config.json").read_text())
+        self.class_name = config["architectures"][0]
+        self.config = SimpleNamespace(to_dict=lambda: dict(config))
+        self._state = load_file(directory / "model.safetensors")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+def load_checkpoint(directory: str | PathLike) -> torch.nn.Module | Checkpoint:
+    """A checkpoint directory's model in float32: transformers', or a `Checkpoint` where it has no class."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(directory) / "config.json").read_text())
+    if config["architectures"][0] == "DeepseekForCausalLM":
+        return Checkpoint(directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def arch_of(model: torch.nn.Module | Checkpoint) -> str:
+    name = getattr(model, "class_name", type(model).__name__)
     if name not in ARCH_BY_CLASS:
         raise ValueError(f"{name} is not supported (supported: {', '.join(ARCH_BY_CLASS)})")
     return ARCH_BY_CLASS[name]
@@ -98,8 +131,13 @@ def hparams(config) -> dict[str, Any]:
 
 
 def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
+    if arch == "dbrx":  # its config names its own keys
+        _write_dbrx_hparams(w, hp)
+        return
     if arch == "deepseek2":
         hp = _deepseek2_view(hp)
+    if arch == "deepseek":
+        hp = {**hp, "num_experts": hp["n_routed_experts"]}
     # TextModel.set_gguf_parameters: the keys every architecture gets.
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
@@ -129,6 +167,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
         _write_gpt_oss_hparams(w, hp)
     if arch == "deepseek2":
         _write_deepseek2_hparams(w, hp)
+    if arch == "deepseek":
+        _write_deepseek_hparams(w, hp)
 
 
 def _rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +268,11 @@ def gguf_tensors(model: torch.nn.Module, per_expert_tensors: bool = False) -> di
         return gpt_oss_tensors(model)
     if arch == "deepseek2":
         return deepseek2_tensors(model)
+    if arch == "dbrx":
+        return dbrx_tensors(model)
+    if arch == "deepseek":  # deepseek2's names, with Llama's q/k permutation for its MHA
+        hp = hparams(model.config)
+        return {name: _permute_for_interleaved_rope(name, t, hp) for name, t in deepseek2_tensors(model).items()}
     hp = hparams(model.config)
     state = _stack_experts(_split_state(model, hp))
     out: dict[str, torch.Tensor] = {}
@@ -442,6 +487,19 @@ def _write_deepseek2_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)  # the converter's 0.1 factor, undone by readers
 
 
+def _write_deepseek_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """DeepseekModel's keys (DeepSeek-MoE): no key for `norm_topk_prob` or `moe_layer_freq`."""
+    if "scoring_func" in hp:
+        w.add_expert_gating_func(_GATING_FUNC[hp["scoring_func"]])
+    w.add_rope_dimension_count(hp.get("head_dim", hp["hidden_size"] // hp["num_attention_heads"]))
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_weights_scale(1.0)
+    w.add_expert_shared_count(hp["n_shared_experts"])
+
+
 def deepseek2_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """GGUF name -> float32 tensor in torch order, with kv_b_proj split for absorbed MLA."""
     hp = hparams(model.config)
@@ -465,3 +523,60 @@ def _split_kv_b(p: str, kv_b: torch.Tensor, hp: dict[str, Any]) -> dict[str, tor
     per_head = kv_b.view(hp["num_attention_heads"], nope + v, kv_b.shape[-1])
     k_b, v_b = per_head.split([nope, v], dim=1)
     return {f"{p}attn_k_b.weight": k_b.transpose(1, 2).contiguous(), f"{p}attn_v_b.weight": v_b.contiguous()}
+
+
+# ---- dbrx (DbrxModel in convert_hf_to_gguf.py) -----------------------------------------------
+
+_DBRX_BLOCK = r"transformer\.blocks\.(?P<i>\d+)\."
+_DBRX_NAMES = [(re.compile(pattern), gguf_name) for pattern, gguf_name in [
+    (r"transformer\.wte\.weight", "token_embd.weight"),
+    (r"transformer\.norm_f\.weight", "output_norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.norm_1\.weight", "blk.{i}.attn_norm.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.attn\.Wqkv\.weight", "blk.{i}.attn_qkv.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.attn\.out_proj\.weight", "blk.{i}.attn_output.weight"),
+    (_DBRX_BLOCK + r"norm_attn_norm\.norm_2\.weight", "blk.{i}.attn_output_norm.weight"),
+    (_DBRX_BLOCK + r"ffn\.router\.layer\.weight", "blk.{i}.ffn_gate_inp.weight"),
+    (_DBRX_BLOCK + r"ffn\.experts\.mlp\.w1", "blk.{i}.ffn_gate_exps.weight"),
+    (_DBRX_BLOCK + r"ffn\.experts\.mlp\.v1", "blk.{i}.ffn_up_exps.weight"),
+    (_DBRX_BLOCK + r"ffn\.experts\.mlp\.w2", "blk.{i}.ffn_down_exps.weight"),
+]]
+
+
+def _write_dbrx_hparams(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    attn, ffn = hp["attn_config"], hp["ffn_config"]
+    if attn.get("clip_qkv") is None:
+        raise ValueError("llama.cpp's converter needs attn_config.clip_qkv (it writes clamp_kqv unconditionally)")
+    w.add_block_count(hp["n_layers"])
+    w.add_context_length(hp["max_seq_len"])
+    w.add_embedding_length(hp["d_model"])
+    w.add_feed_forward_length(ffn["ffn_hidden_size"])
+    w.add_head_count(hp["n_heads"])
+    w.add_head_count_kv(attn["kv_n_heads"])
+    w.add_rope_freq_base(attn["rope_theta"])
+    w.add_clamp_kqv(attn["clip_qkv"])
+    w.add_expert_count(ffn["moe_num_experts"])
+    w.add_expert_used_count(ffn["moe_top_k"])
+    w.add_layer_norm_eps(1e-5)  # whatever the config says: also transformers' LayerNorm default
+
+
+def dbrx_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """GGUF name -> float32 tensor in torch order: experts [E·F, H] as [E, F, H], `w2` as [E, H, F]."""
+    hp = hparams(model.config)
+    ffn = hp["ffn_config"]
+    experts, width = ffn["moe_num_experts"], ffn["ffn_hidden_size"]
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to(torch.float32).cpu()
+        for pattern, gguf_name in _DBRX_NAMES:
+            if m := pattern.fullmatch(hf_name):
+                name = gguf_name.format(**m.groupdict())
+                break
+        else:
+            raise KeyError(f"no GGUF name for transformers tensor {hf_name!r}")
+        if name.endswith("_exps.weight"):
+            tensor = tensor.view(experts, width, hp["d_model"])
+            if "ffn_down" in name:
+                tensor = tensor.transpose(1, 2).contiguous()
+        out[name] = tensor
+    return out
