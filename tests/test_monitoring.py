@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -267,3 +268,13 @@ def _query(url: str, expr: str) -> list:
     answer = httpx.get(url + "/api/v1/query", params={"query": expr}, timeout=10).json()
     assert answer["status"] == "success", (expr, answer)
     return answer["data"]["result"]
+
+
+def test_the_preview_draws_every_panel_from_prometheus(prometheus, tmp_path):
+    """deploy/grafana/preview.py, which drew the README's picture, on the live Prometheus."""
+    out = tmp_path / "preview.png"
+    done = subprocess.run([sys.executable, str(DEPLOY / "grafana" / "preview.py"), "--prometheus", prometheus,
+                           "--minutes", "2", "--rate-interval", "30s", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
