@@ -40,7 +40,7 @@ def copy_with_secrets(dest: Path) -> Path:
     shutil.copytree(DEPLOY, dest / "deploy")
     secrets = dest / "deploy" / "kubernetes" / "overlays" / "example" / "secrets"
     (secrets / "cluster-token").write_text("test-cluster-token-0123456789abcdef\n")
-    (secrets / "api-key").write_text("test-api-key-0123456789\n")
+    (secrets / "api-key").write_text("test-api-key-0123456789")
     return dest / "deploy" / "kubernetes"
 
 
@@ -177,7 +177,18 @@ def test_the_attention_pod_waits_for_as_many_experts_as_the_deployment_runs(rend
     assert int(config_value(rendered, "EXPERT_REPLICAS")) == replicas
     (wait,) = pod(rendered, "splitmoe-attention")["initContainers"]
     assert '"splitmoe-expert"' in wait["args"][0]
-    compile(wait["args"][0], "wait-for-experts", "exec")
+    assert wait["env"][0]["valueFrom"]["configMapKeyRef"] == {"name": "splitmoe-config", "key": "EXPERT_REPLICAS"}
+
+
+def test_the_wait_for_experts_script_waits_for_enough_addresses(kustomize_dirs):
+    """The init container's script, run here with `localhost` (one address) for the Service's name."""
+    (wait,) = pod(render(kustomize_dirs["base"]), "splitmoe-attention")["initContainers"]
+    script = wait["args"][0].replace('"splitmoe-expert"', '"localhost"')
+    run = [sys.executable, *wait["command"][1:], script]
+    done = subprocess.run(run, env={"EXPERT_REPLICAS": "1"}, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "expert pods ready: 1 of 1" in done.stdout, done.stderr
+    with pytest.raises(subprocess.TimeoutExpired):  # one address of two: it keeps waiting
+        subprocess.run(run, env={"EXPERT_REPLICAS": "2"}, capture_output=True, text=True, timeout=3)
 
 
 def test_secrets_reach_the_services_as_files_only(rendered):
