@@ -85,6 +85,15 @@ def test_every_metric_named_is_one_the_running_stack_exports(exported, source):
     assert not missing, f"{source} name metrics the stack does not export: {sorted(missing)}"
 
 
+def test_every_metric_the_readme_lists_is_exported(exported):
+    section = (REPO / "README.md").read_text().split("## Monitoring", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(splitmoe:\w+)", section))
+    assert len(listed) >= 15
+    # a histogram is listed by its family name; its samples carry the suffixes
+    missing = {name for name in listed if name not in exported and f"{name}_count" not in exported}
+    assert not missing, f"the README lists metrics the stack does not export: {sorted(missing)}"
+
+
 def test_the_dashboard_has_the_panels_operators_look_for():
     dashboard = json.loads(DASHBOARD.read_text())
     panels = dashboard["panels"]
