@@ -27,7 +27,8 @@ from splitmoe.cli import build_parser, main
 from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("expert", "attention", "gateway")  # built from our Dockerfile; jaeger is a stock image
+OURS = ("expert", "attention", "gateway")  # built from our Dockerfile; the others are stock images
+MONITORING = ("prometheus", "grafana")
 ONE_SHOT = "cluster-secret"                 # ours too: writes the cluster secret, then exits
 # Subcommands written alongside compose.yaml: until one is registered its command is skipped, named.
 PENDING_SUBCOMMANDS = {"serve-experts", "serve-gateway"}
@@ -102,7 +103,7 @@ def port_of(address: str) -> int:
 def test_compose_file_parses_under_the_strict_compose_spec_parser(compose):
     project = compose_spec.PyCompose.from_json(json.dumps(compose))  # raises ValueError on any violation
     project.validate()  # networks, volumes, configs, secrets referenced are defined
-    assert set(project.service_names()) == {*OURS, ONE_SHOT, "jaeger"}
+    assert set(project.service_names()) == {*OURS, ONE_SHOT, "jaeger", *MONITORING}
 
 
 def test_compose_file_matches_the_official_compose_json_schema(compose):
