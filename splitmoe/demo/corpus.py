@@ -92,11 +92,16 @@ def facts() -> list[tuple[list[str], str]]:
     return [*arithmetic(), *capitals(), *conversions(), *opposites(), *small_talk()]
 
 
+def questions() -> list[tuple[str, str]]:
+    """(question, answer) for every way of asking every fact."""
+    return [(q, a) for ways, a in facts() for q in ways]
+
+
 def chats(seed: int, repeats: int) -> list[Chat]:
     """Every way of asking every fact, `repeats` times over, shuffled: a quarter under a system prompt
     and a tenth after an earlier exchange, so that what comes before the question does not matter."""
     rng = random.Random(seed)
-    every = [(q, a) for ways, a in facts() for q in ways]
+    every = questions()
     out = []
     for _ in range(repeats):
         for question, answer in every:
@@ -112,6 +117,6 @@ def chats(seed: int, repeats: int) -> list[Chat]:
     return out
 
 
-def words(seed: int = 0) -> list[str]:
+def words() -> list[str]:
     """The corpus's text once over (each way of asking and every answer), for learning the vocabulary."""
     return [*(q for ways, _ in facts() for q in ways), *(a for _, a in facts()), *SYSTEM_PROMPTS]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from splitmoe.demo import corpus, vocab
+from splitmoe.demo.gguf_out import write_trained_gguf
 from splitmoe.demo.net import NetShape, TinyQwen3Moe
 from splitmoe.modelfile.chat_template import ChatTemplate
 from splitmoe.modelfile.tokenizer import Tokenizer
@@ -89,8 +90,9 @@ def _train(s: TrainSettings, log) -> tuple[TinyQwen3Moe, dict]:
     meta = vocab.tokenizer_metadata(vocab.learn_merges(corpus.words(), MAX_MERGES))
     tok = vocab.tokenizer(meta)
     template = ChatTemplate.from_gguf_metadata(meta, tok)
-    chats = corpus.chats(s.seed, repeats=1 + s.steps * s.batch_chats // len(corpus.chats(s.seed, 1)))
-    examples = [encode_chat(c, template, tok) for c in chats[: s.steps * s.batch_chats]]
+    needed = s.steps * s.batch_chats
+    chats = corpus.chats(s.seed, repeats=-(-needed // len(corpus.questions())))[:needed]
+    examples = [encode_chat(c, template, tok) for c in chats]
     model = TinyQwen3Moe(NetShape(vocab_size=len(meta["tokenizer.ggml.tokens"])), s.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.0)
     pad_id = meta["tokenizer.ggml.padding_token_id"]
@@ -126,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_gguf(path: Path, model: TinyQwen3Moe, meta: dict, s: TrainSettings) -> None:
-    from splitmoe.demo.gguf_out import write_trained_gguf
-
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     write_trained_gguf(tmp, model, meta, s.quant, name=f"SplitMoE demo (trained, seed {s.seed}, {s.steps} steps)")
     tmp.replace(path)
