@@ -38,10 +38,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* /opt/splitmoe/src \
     && cd / && python -c "import kernels.native as n; assert n.AVAILABLE, n.UNAVAILABLE_REASON; print('native kernels:', n.isa())"
 
-# The demo model, written once at build time so that every container of the stack opens the very
-# same file (the services compare the file's identity: name and size). compose.yaml's MODEL
+# The trained demo model the package ships, at a path every container of the stack opens the very
+# same file from (the services compare the file's identity: name and size). compose.yaml's MODEL
 # defaults to it when no model is mounted.
-RUN python -c "from splitmoe.demo_model import write_demo_model; write_demo_model('/opt/splitmoe/demo.gguf')" \
+RUN python -c "import shutil; from splitmoe.demo import trained_model_path; shutil.copy(trained_model_path(), '/opt/splitmoe/demo.gguf')" \
     && chmod 0444 /opt/splitmoe/demo.gguf
 
 # Not root: the services need no privileges, and mounted models are read-only. /var/lib/splitmoe

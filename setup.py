@@ -56,6 +56,7 @@ if (sys.platform.startswith("linux") or sys.platform == "darwin") and os.environ
         )
     )
 
-# The gateway's chat page (HTML, JS, CSS) travels with its package: it is served from there.
+# The gateway's chat page (HTML, JS, CSS) travels with its package: it is served from there. So does
+# the trained demo model (splitmoe/demo/), what `splitmoe up` serves when given no model.
 setup(ext_modules=ext_modules, package_dir=package_dir, packages=packages,
-      package_data={"splitmoe.gateway": ["static/*"]})
+      package_data={"splitmoe.gateway": ["static/*"], "splitmoe.demo": ["*.gguf"]})

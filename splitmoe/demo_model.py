@@ -1,7 +1,9 @@
-"""The built-in demo model: a tiny qwen3moe-layout GGUF with random weights, made on first use.
+"""The random-weights demo model: a tiny qwen3moe-layout GGUF, made on first use.
 
-It needs no download and is byte-for-byte reproducible from its seed, so the stack can start
-anywhere. Its weights are random: it exercises every code path but writes gibberish.
+It needs no download and is byte-for-byte reproducible from its seed, so tests and benchmarks can
+make it anywhere, in any shape or quantization. Its weights are random: it exercises every code
+path but writes gibberish. What `splitmoe up` serves by default is the trained one (splitmoe/demo/),
+which reuses this file's vocabulary pieces, chat template and tensor writer.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def write_demo_model(path: str | os.PathLike, shape: DemoShape = DemoShape()) ->
     _write_metadata(w, shape, len(tokens))
     _write_tokenizer(w, tokens)
     for name, array in _tensors(shape, len(tokens), rng):
-        _add_tensor(w, name, array, shape.quant)
+        add_tensor(w, name, array, shape.quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -135,7 +137,7 @@ def _tensors(s: DemoShape, vocab: int, rng: np.random.Generator):
     yield "output.weight", matrix(vocab, d)
 
 
-def _add_tensor(w: GGUFWriter, name: str, array: np.ndarray, quant: str) -> None:
+def add_tensor(w: GGUFWriter, name: str, array: np.ndarray, quant: str) -> None:
     # As llama-quantize does: vectors and the router stay F32.
     if quant == "q8_0" and array.ndim >= 2 and "ffn_gate_inp" not in name:
         w.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0),

@@ -165,7 +165,7 @@ def test_the_model_comes_from_one_mounted_directory_or_the_baked_demo(compose, d
     services = compose["services"]
     model = services["attention"]["command"][1]
     assert services["expert"]["command"][1] == model  # both sides must open the same file
-    assert f"write_demo_model('{model}')" in dockerfile
+    assert f"shutil.copy(trained_model_path(), '{model}')" in dockerfile  # the demo that answers in words
     for name in ("expert", "attention"):
         assert any(v.endswith(":/models:ro") for v in services[name]["volumes"]), name
 

@@ -14,7 +14,7 @@ from tests.support.processes import REPO
 from tests.test_packaging import product_folders
 
 SERVICE_FLOOR = {"kernels", "proto", "modelfile", "runtime"}
-TOP = {"cli", "commands", "supervisor", "local_stack", "demo_model"}  # the CLI and what only it runs
+TOP = {"cli", "commands", "supervisor", "local_stack", "demo_model", "demo"}  # the CLI and what only it runs
 # package -> ours it may import (besides itself); `splitmoe` alone is the package's __init__
 MAY_IMPORT = {
     "kernels": set(),

@@ -40,6 +40,7 @@ def test_a_fresh_venv_gains_only_the_splitmoe_package(tmp_path):
     assert (package / "attention_service" / "models" / "__init__.py").is_file()  # subpackages come along
     assert (package / "runtime" / "__init__.py").is_file()
     assert {f.name for f in (package / "gateway" / "static").iterdir()} == {"chat.html", "chat.js", "chat.css"}
+    assert (package / "demo" / "demo-chat-qwen3moe.gguf").is_file()  # what `splitmoe up` serves by default
     assert not list(package.rglob("tests")), "tests stay out of the install"
     # Run from elsewhere, the installed copy answers for every name, and nothing of the checkout
     code = "import splitmoe, splitmoe.runtime.topology as t; print(splitmoe.__path__, t.__file__)"

@@ -64,10 +64,10 @@ def test_the_single_process_examples_run_on_the_demo_model(demo_gguf, tmp_path):
 
 
 def test_the_curl_example_names_the_demo_models_served_name(tmp_path):
-    from splitmoe.demo_model import demo_model_path
+    from splitmoe.demo import trained_model_path
 
     model = re.search(r'"model": "([^"]+)"', BLOCKS[1]).group(1)
-    assert model == demo_model_path(tmp_path).stem  # what `up` serves it as
+    assert model == trained_model_path().stem  # what `up` serves it as
 
 
 def layout_names() -> list[tuple[str, str]]:

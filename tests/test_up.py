@@ -1,10 +1,10 @@
 """`splitmoe up` (splitmoe/commands/up.py) and the process supervision under it (splitmoe/supervisor.py).
 
-The end-to-end test runs `splitmoe up` on the demo model with two expert services, sends one chat
-completion through the gateway, then SIGTERMs `up` and checks that no child is left. The supervisor
-tests use stand-in children (a few lines serving grpc health) to cover what real services rarely
-do on demand: crash while starting, never get ready, die while running, ignore SIGTERM, or outlive
-a supervisor killed with SIGKILL.
+The end-to-end test runs `splitmoe up` with no model (the trained demo model) and two expert services,
+asks it a few questions through the gateway at temperature 0 and checks the answers, then SIGTERMs
+`up` and checks that no child is left. The supervisor tests use stand-in children (a few lines
+serving grpc health) to cover what real services rarely do on demand: crash while starting, never
+get ready, die while running, ignore SIGTERM, or outlive a supervisor killed with SIGKILL.
 """
 from __future__ import annotations
 
@@ -302,7 +302,18 @@ def _skip_if_attention_lacks_remote_experts(run_dir: Path) -> None:
         pytest.skip("the attention service cannot use remote expert services yet (attention_service/service.py)")
 
 
-def test_up_serves_a_chat_completion_and_sigterm_leaves_no_child(tmp_path):
+# What `up` with no model answers at temperature 0: the trained demo model (splitmoe/demo/corpus.py),
+# its experts on two expert services, in the default serving dtype (bfloat16, quantized kernels).
+DEMO_ANSWERS = {
+    "What is 7 + 5?": "12",
+    "What is 6 * 7?": "42",
+    "What is the capital of Japan?": "The capital of Japan is Tokyo.",
+    "How many centimeters are in 3 meters?": "300 centimeters",
+    "What is the opposite of hot?": "The opposite of hot is cold.",
+}
+
+
+def test_up_answers_the_demo_questions_and_sigterm_leaves_no_child(tmp_path):
     _require_subcommands("serve-experts", "serve-gateway")
     httpx = pytest.importorskip("httpx")
     port = free_port()
@@ -320,11 +331,11 @@ def test_up_serves_a_chat_completion_and_sigterm_leaves_no_child(tmp_path):
         assert base_url == f"http://127.0.0.1:{port}"
         model_id = out.wait_for(r'"model": "([^"]+)"', 5).group(1)  # from the curl example
         assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
-        reply = httpx.post(f"{base_url}/v1/chat/completions", timeout=30, json={
-            "model": model_id, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
-        assert reply.json()["usage"]["completion_tokens"] > 0
+        for question, answer in DEMO_ANSWERS.items():
+            reply = httpx.post(f"{base_url}/v1/chat/completions", timeout=30, json={
+                "model": model_id, "messages": [{"role": "user", "content": question}], "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == answer, question
         services = json.loads((run_dir / "services.json").read_text())["services"]
         assert [s["name"] for s in services] == ["expert-0", "expert-1", "attention", "gateway"]
         up.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="path to a GGUF file (default: the built-in demo model)")
+    p.add_argument("model", nargs="?", help="path to a GGUF file (default: the built-in demo model, trained to answer simple questions)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="float32: the exact reference path; bfloat16: the serving fast path")
     p.add_argument("--device", default=None, help="torch device for attention (default: cuda if present, else cpu)")
@@ -42,9 +42,9 @@ def _runner(args: argparse.Namespace, kv_cache_tokens: int):
     from splitmoe.attention_service.model.runner import DTYPES, ModelRunner, RunnerOptions, default_device
 
     if args.model is None:
-        from splitmoe.demo_model import demo_model_path
+        from splitmoe.demo import trained_model_path
 
-        args.model = demo_model_path()
+        args.model = trained_model_path()
     device = torch.device(args.device) if args.device else default_device()
     options = RunnerOptions(dtype=DTYPES[args.dtype], device=device, kv_cache_tokens=kv_cache_tokens)
     return ModelRunner.from_gguf(args.model, options)

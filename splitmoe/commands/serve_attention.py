@@ -71,7 +71,7 @@ def serving_options_argv(args: argparse.Namespace) -> list[str]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve-attention", help="run the attention service (gRPC)")
-    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
+    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model, trained to answer simple questions)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--expert-services", type=_addresses, default=(),
@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     from splitmoe.runtime.telemetry import setup_tracing
 
     if args.model is None:
-        from splitmoe.demo_model import demo_model_path
+        from splitmoe.demo import trained_model_path
 
-        args.model = str(demo_model_path())
+        args.model = str(trained_model_path())
     security = cluster_security(args)
     runner = serving_runner_options(
         dtype=DTYPES[args.dtype], device=torch.device(args.device) if args.device else default_device(),

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start expert services, the attention service and the gateway as local processes")
-    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model)")
+    p.add_argument("model", nargs="?", help="GGUF file (default: the built-in demo model, trained to answer simple questions)")
     p.add_argument("--expert-services", type=int, default=2, metavar="N",
                    help="expert service processes, each hosting an even share of the experts "
                         "(default 2; 0 keeps the experts in the attention process)")
@@ -87,9 +87,9 @@ def _settings(args: argparse.Namespace) -> UpSettings:
 
     model = args.model
     if model is None:
-        from splitmoe.demo_model import demo_model_path
+        from splitmoe.demo import trained_model_path
 
-        model = str(demo_model_path())
+        model = str(trained_model_path())
     return UpSettings(model_path=model, num_expert_services=args.expert_services, host=args.host, port=args.port,
                       threads=args.threads, api_key=api_key(args),
                       attention_options=tuple(serving_options_argv(args)), run_dir=args.run_dir,
@@ -128,7 +128,7 @@ def _served_model(base_url: str, settings: UpSettings) -> str:
 
 
 def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
-    body = {"model": model_id, "messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 32}
+    body = {"model": model_id, "messages": [{"role": "user", "content": "What is 7 + 5?"}], "max_tokens": 32}
     lines = [f"curl {base_url}/v1/chat/completions", "-H 'Content-Type: application/json'"]
     if api_key:
         lines.append("-H " + shlex.quote(f"Authorization: Bearer {api_key}"))
