@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI
 from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, ModelConfig
+from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,15 @@ DEEPSEEK2 = Architecture("deepseek2", hparam_defaults={"expert_weights_norm": Fa
 # has them), routed by a softmax over the top-k raw logits.
 GPT_OSS = Architecture("gpt-oss", expert_activation=ACT_SWIGLU_OAI,
                        hparam_defaults={"expert_gating": GATING_SOFTMAX_WEIGHT, "expert_weights_norm": False})
+# attention_service/models/glm4moe.py. llama.cpp's gating when the file names none: sigmoid.
+GLM4MOE = Architecture("glm4moe", hparam_defaults={"expert_gating": GATING_SIGMOID, "expert_weights_norm": False})
+# attention_service/models/llama4.py. Sigmoid gating and iRoPE are llama.cpp's constants for it.
+LLAMA4 = Architecture("llama4", hparam_defaults={
+    "expert_gating": GATING_SIGMOID, "expert_weights_norm": False, "nope_layer_interval": 4,
+    "attention_chunk_tokens": 8192, "attention_temperature_floor_tokens": 8192, "attention_temperature_scale": 0.1})
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in (QWEN3MOE, QWEN2MOE, MIXTRAL, OLMOE, DEEPSEEK2,
-                                                                   GPT_OSS)}
+                                                                   GPT_OSS, GLM4MOE, LLAMA4)}
 
 
 def architecture(gguf_arch: str) -> Architecture:
