@@ -7,6 +7,7 @@ runtime serves, so tests can make GGUFs of any size and config without llama.cpp
     MixtralForCausalLM  -> llama        OlmoeForCausalLM    -> olmoe
     GptOssForCausalLM   -> gpt-oss
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> deepseek2
+    Glm4MoeForCausalLM  -> glm4moe      Llama4ForCausalLM   -> llama4 (hf_to_gguf_glm_llama4.py)
 
 What the converter does, and this helper too (see ../shared/fixtures/README.md):
 * tensors keep torch order here; GGUFWriter lists the dims fastest-first;
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from tests.support import hf_to_gguf_glm_llama4 as more
+
 F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 
 ARCH_BY_CLASS = {
@@ -40,6 +43,8 @@ ARCH_BY_CLASS = {
     "GptOssForCausalLM": "gpt-oss",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "Glm4MoeForCausalLM": "glm4moe",  # hf_to_gguf_glm_llama4.py
+    "Llama4ForCausalLM": "llama4",
 }
 
 _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -100,6 +105,8 @@ def hparams(config) -> dict[str, Any]:
 def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
     if arch == "deepseek2":
         hp = _deepseek2_view(hp)
+    if arch in ("glm4moe", "llama4"):
+        hp = (more.glm4moe_view if arch == "glm4moe" else more.llama4_view)(hp)
     # TextModel.set_gguf_parameters: the keys every architecture gets.
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
@@ -129,6 +136,10 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
         _write_gpt_oss_hparams(w, hp)
     if arch == "deepseek2":
         _write_deepseek2_hparams(w, hp)
+    if arch == "glm4moe":
+        more.write_glm4moe_hparams(w, hp, rope)
+    if arch == "llama4":
+        more.write_llama4_hparams(w, hp)
 
 
 def _rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +163,7 @@ def _write_rope_scaling(w: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
         w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow") or 1.0))
         if rope.get("attention_factor") is not None:
             w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
-    elif kind != "default":
+    elif kind not in ("default", "llama3"):  # llama3: the `rope_freqs` tensor, no keys
         raise ValueError(f"rope scaling {kind!r} is not supported by this helper")
 
 
@@ -228,6 +239,11 @@ def gguf_tensors(model: torch.nn.Module, per_expert_tensors: bool = False) -> di
         return gpt_oss_tensors(model)
     if arch == "deepseek2":
         return deepseek2_tensors(model)
+    if arch == "llama4":
+        hp = hparams(model.config)
+        return more.llama4_tensors(model, hp, _rope_parameters(hp), _gguf_name)
+    if arch == "glm4moe":
+        return more.glm4moe_tensors(_stack_experts(_split_state(model, hparams(model.config))), _gguf_name)
     hp = hparams(model.config)
     state = _stack_experts(_split_state(model, hp))
     out: dict[str, torch.Tensor] = {}
