@@ -11,7 +11,8 @@ import pytest
 from tests.support.processes import run_splitmoe
 from tests.support.stack import running_stack
 
-MODELS = ["deepseek2/deepseek2-q8_0.gguf", "deepseek3/deepseek3-q4_k_m.gguf", "gptoss/gptoss-mxfp4_moe.gguf"]
+MODELS = ["deepseek2/deepseek2-q8_0.gguf", "deepseek3/deepseek3-q4_k_m.gguf", "gptoss/gptoss-mxfp4_moe.gguf",
+          "glm4moe/glm4moe-q8_0.gguf", "llama4/llama4-q4_k_m.gguf"]
 PROMPT = "def norm(v):"
 
 

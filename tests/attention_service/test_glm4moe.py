@@ -164,7 +164,8 @@ NEXTN_TENSORS = ("eh_proj", "enorm", "hnorm", "shared_head_head", "shared_head_n
 def with_nextn_block(path, out):
     """`path` as a converted GLM-4.5 is: one more block (a copy of the last layer's tensors) with its
     `nextn.*` tensors, counted in block_count, and `nextn_predict_layers` = 1."""
-    from gguf import GGMLQuantizationType as T, GGUFReader
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
 
     reader = GGUFReader(path)
     layers = int(reader.fields["glm4moe.block_count"].contents())
