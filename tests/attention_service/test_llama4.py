@@ -16,6 +16,7 @@ import torch
 
 from splitmoe.attention_service.experts.backend import InProcessExperts
 from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.model import attention as attention_module
 from splitmoe.attention_service.model.attention import grouped_attention
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
@@ -182,7 +183,12 @@ def test_chunked_context_groups_rows_by_chunk():
     assert ctx.slots.tolist() == [*range(100, 108), 108, 109]
 
 
-def test_chunked_grouped_attention_is_masked_attention():
+@pytest.mark.parametrize("host_positions", [True, False], ids=["cpu", "accelerator"])
+def test_chunked_grouped_attention_is_masked_attention(monkeypatch, host_positions):
+    """On the CPU the keys before the chunk are skipped; on an accelerator (no host positions) the
+    whole context is masked instead."""
+    if not host_positions:
+        monkeypatch.setattr(attention_module, "host_positions", lambda positions: None)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 2, 8, generator=gen) for n in (7, 23, 23))
     positions = torch.arange(16, 23)
@@ -217,6 +223,21 @@ def test_top_k_over_one_weighs_each_experts_input(tiny):
     model = build_model(llama4_config(num_experts_per_tok=2), 502)
     path = convert(model, tiny[2].parent / "top2.gguf")
     assert max_abs(splitmoe_logits(path, ids), hf_logits(model, ids)) <= 1e-4
+
+
+def test_micro_batches_give_the_unsplit_logits(tiny):
+    """Two sequences as two pipelined halves: each half's input-weighted rows submitted, then summed."""
+    ids, _, path = tiny
+
+    def run(micro_batches: int) -> torch.Tensor:
+        options = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=256, kv_block_tokens=4,
+                                micro_batches=micro_batches)
+        r = ModelRunner.from_gguf(path, options)
+        seqs = [Sequence(0, ids), Sequence(1, ids[5:])]
+        first = r.step(seqs, [20, 17], all_logits=True)
+        return torch.cat([first, *(r.step(seqs, [1, 1]) for _ in range(3))])
+
+    assert (run(2) - run(1)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
