@@ -139,7 +139,9 @@ class ModelConfig:
             num_expert_groups=num_groups,
             num_expert_groups_used=r.integer("expert_group_used_count", 0, hi=num_groups),
             num_nextn_layers=num_nextn,
-            moe_layer_interval=r.integer("interleave_moe_layer_step", 0, hi=num_layers),
+            # An architecture whose default is None requires the key (llama4, as llama.cpp does).
+            moe_layer_interval=r.integer("interleave_moe_layer_step", defaults.get("moe_layer_interval", 0),
+                                         hi=num_layers),
             **_irope(r, defaults, num_layers),
         )
 

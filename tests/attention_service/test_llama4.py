@@ -23,11 +23,12 @@ from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
-from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.modelfile.hparams import ModelConfig
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
+from splitmoe.modelfile.architectures import LLAMA4
 from tests.attention_service.test_native_decode import checked_decode
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.expert_services import ExpertServices
+from tests.support.gguf_edit import rewrite_gguf
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp, assert_like_llama_cpp, fixture_logits
 from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, splitmoe_logits, token_ids
 from tests.support.hf_to_gguf import F32, convert
@@ -88,12 +89,29 @@ def test_converter_matches_llama_cpp(fixtures_dir, tmp_path):
     assert_converter_matches_llama_cpp(fixtures_dir / ARCH, tmp_path)
 
 
-def test_the_file_states_the_iRoPE_of_llama_cpp(fixtures_dir):
-    cfg = ModelConfig.from_gguf(GGUFFile(fixtures_dir / ARCH / f"{ARCH}-q8_0.gguf"),
-                                {"nope_layer_interval": 4, "attention_chunk_tokens": 8192,
-                                 "attention_temperature_floor_tokens": 8192, "attention_temperature_scale": 0.1})
+def test_the_file_states_the_iRoPE_of_llama_cpp(fixtures_dir, tmp_path):
+    cfg = LLAMA4.config(GGUFFile(fixtures_dir / ARCH / f"{ARCH}-q8_0.gguf"))
     assert (cfg.nope_layer_interval, cfg.attention_chunk_tokens, cfg.moe_layer_interval) == (4, 8192, 2)
     assert (cfg.attention_temperature_floor_tokens, cfg.attention_temperature_scale) == (8192, 0.1)
+    # A config whose every layer is full attention converts with sliding_window = 0: no chunks, no
+    # temperature, and llama.cpp's NoPE interval becomes the layer count.
+    full = tmp_path / "full.gguf"
+    rewrite_gguf(fixtures_dir / ARCH / f"{ARCH}-q8_0.gguf", full, set_keys={"llama4.attention.sliding_window": 0})
+    cfg = LLAMA4.config(GGUFFile(full))
+    assert (cfg.nope_layer_interval, cfg.attention_chunk_tokens, cfg.attention_temperature_floor_tokens) == (4, 0, 0)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"drop_keys": ("llama4.interleave_moe_layer_step",)}, "'llama4.interleave_moe_layer_step'"),
+    ({"set_keys": {"llama4.interleave_moe_layer_step": 1}},
+     "layer 0 lacks a router ('blk.0.ffn_gate_inp.weight'), against metadata key 'llama4.interleave_moe_layer_step' = 1"),
+])
+def test_the_moe_layer_step_is_required_and_checked(fixtures_dir, tmp_path, edit, message):
+    broken = tmp_path / "broken.gguf"
+    rewrite_gguf(fixtures_dir / ARCH / f"{ARCH}-q8_0.gguf", broken, **edit)
+    with pytest.raises(GGUFError) as e:
+        runner(broken)
+    assert "broken.gguf" in str(e.value) and message in str(e.value)
 
 
 # ---- a tiny transformers model with chunks of 8 ------------------------------------------------
