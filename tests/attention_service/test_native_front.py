@@ -29,7 +29,8 @@ FIXTURES = ["qwen3moe/qwen3moe-q8_0.gguf",  # per-head q/k norm
             "qwen2moe/qwen2moe-q4_k_m.gguf",  # q/k/v biases, K-quants
             "mixtral/mixtral-q8_0.gguf",  # interleaved rope
             "olmoe/olmoe-q8_0.gguf",  # q/k norm over the whole projection
-            "gptoss/gptoss-q8_0.gguf"]  # sinks, sliding window, output and router biases
+            "gptoss/gptoss-q8_0.gguf",  # sinks, sliding window, output and router biases
+            "glm4moe/glm4moe-q4_k_m.gguf"]  # partial rotary, q width != hidden, biases, per-head q/k norm
 TOL = 1.5e-2  # rel-L2: int8 activations (~0.3% per product) through two products and a softmax
 
 
