@@ -23,13 +23,13 @@ from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
-from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.architectures import LLAMA4
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.attention_service.test_native_decode import checked_decode
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.expert_services import ExpertServices
-from tests.support.gguf_edit import rewrite_gguf
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp, assert_like_llama_cpp, fixture_logits
+from tests.support.gguf_edit import rewrite_gguf
 from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, splitmoe_logits, token_ids
 from tests.support.hf_to_gguf import F32, convert
 from tests.support.processes import CLUSTER
