@@ -108,7 +108,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
             hi = max(1, min(C, p_max - first_position + 1))
             if window_tokens or chunk_tokens:
                 lo = min(hi - 1, max(0, visible_from(p_min, window_tokens, chunk_tokens) - first_position))
-                if visible_from(p_max, window_tokens, chunk_tokens) <= first_position + lo:  # no later start
+                # no query's window or chunk starts later: causal masking alone
+                if visible_from(p_max, window_tokens, chunk_tokens) <= first_position + lo:
                     mask_from = max(0, p_min + 1 - first_position)
             else:
                 mask_from = max(0, p_min + 1 - first_position)
@@ -186,7 +187,7 @@ class MultiHeadAttention:
             return load(name, (width,), f32) if spec.qkv_bias else load.optional(name, (width,), f32)
 
         def qk_norm(name: str, heads: int) -> torch.Tensor | None:
-            if spec.qk_norm not in (QK_NORM_PER_HEAD, QK_NORM_FULL) or (spec.qk_norm_optional and not load.g.has(name)):
+            if spec.qk_norm == QK_NORM_NONE or (spec.qk_norm_optional and not load.g.has(name)):
                 return None
             return load.norm(name, (Dk,) if spec.qk_norm == QK_NORM_PER_HEAD else (heads * Dk,))
 
