@@ -25,7 +25,7 @@ from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.modelfile.architectures import LLAMA4
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
-from tests.attention_service.test_native_decode import checked_decode
+from tests.attention_service.test_native_decode import checked_decode, decode
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.expert_services import ExpertServices
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp, assert_like_llama_cpp, fixture_logits
@@ -189,6 +189,24 @@ def test_tiny_native_decode_attention_over_chunks(tiny, monkeypatch, step_tokens
     got = stepped(runner(path, torch.bfloat16), ids, step_tokens)
     assert len(checked) == 4 * -(-NUM_TOKENS // step_tokens)  # every layer of every step
     assert rel_l2(got, ref) <= 3e-2
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
+def test_tiny_native_decode_of_two_sequences_over_chunks(tiny, monkeypatch):
+    """Two sequences of different lengths in one step: each row's chunk is its own sequence's."""
+    ids, _, path = tiny
+    checked = checked_decode(monkeypatch)
+    decode(path, ids)
+    assert checked
+
+
+def test_maverick_has_no_l2_qk_norm(tmp_path):
+    """llama.cpp keys the L2 q/k norm off the expert count: 128 experts (Maverick) have none, as
+    Maverick's config says (use_qk_norm false)."""
+    model = build_model(llama4_config(num_local_experts=128, use_qk_norm=False), 503)
+    ids = token_ids(NUM_TOKENS, 503)
+    path = convert(model, tmp_path / "maverick.gguf")
+    assert max_abs(splitmoe_logits(path, ids), hf_logits(model, ids)) <= 1e-4
 
 
 def test_chunked_context_groups_rows_by_chunk():
