@@ -17,13 +17,15 @@ import torch
 
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
+from splitmoe.kernels import native
 from splitmoe.modelfile.experts import ExpertShard, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
+from tests.attention_service.test_native_front import check as check_native_front
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp, assert_like_llama_cpp, fixture_logits
 from tests.support.gguf_edit import rewrite_gguf
 from tests.support.hf_reference import build_model, hf_logits, max_abs, splitmoe_logits, token_ids
-from tests.support.hf_to_gguf import F32, convert
+from tests.support.hf_to_gguf import F32, Q8_0, convert
 
 ARCH = "glm4moe"
 QUANTS = ["q8_0", "q4_k_m"]
@@ -146,6 +148,14 @@ def test_tiny_decode_equals_prefill(tiny):
     _, ids, ref, path = tiny
     r, seq = runner(path), Sequence(0, ids)
     assert max_abs(torch.cat([r.step([seq], [1]) for _ in ids]).numpy(), ref) <= 1e-4
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
+def test_tiny_q8_0_decodes_through_the_native_front(tiny, tmp_path):
+    """The fast mode's one-call attention half, with and without q/k norms (4.5 / 4.5-Air), partial
+    rotary and a q wider than the hidden state, against the torch path and a float64 reference."""
+    model = tiny[0]
+    check_native_front(convert(model, tmp_path / "q8_0.gguf", Q8_0))
 
 
 def test_the_tiny_models_groups_decide(tiny):
