@@ -44,12 +44,15 @@ DEEPSEEK2 = Architecture("deepseek2", hparam_defaults={"expert_weights_norm": Fa
 # has them), routed by a softmax over the top-k raw logits.
 GPT_OSS = Architecture("gpt-oss", expert_activation=ACT_SWIGLU_OAI,
                        hparam_defaults={"expert_gating": GATING_SOFTMAX_WEIGHT, "expert_weights_norm": False})
-# attention_service/models/glm4moe.py. llama.cpp's gating when the file names none: sigmoid.
-GLM4MOE = Architecture("glm4moe", hparam_defaults={"expert_gating": GATING_SIGMOID, "expert_weights_norm": False})
+# attention_service/models/glm4moe.py. llama.cpp's gating when the file names none: sigmoid. A default
+# None: the key is required (here `expert_feed_forward_length`), as llama.cpp requires it.
+GLM4MOE = Architecture("glm4moe", hparam_defaults={"expert_gating": GATING_SIGMOID, "expert_weights_norm": False,
+                                                   "expert_ffn": None})
 # attention_service/models/llama4.py. Sigmoid gating and iRoPE are llama.cpp's constants for it;
-# `interleave_moe_layer_step` is required (None).
+# `interleave_moe_layer_step` and `expert_feed_forward_length` are required (None).
 LLAMA4 = Architecture("llama4", hparam_defaults={
-    "expert_gating": GATING_SIGMOID, "expert_weights_norm": False, "moe_layer_interval": None, "nope_layer_interval": 4,
+    "expert_gating": GATING_SIGMOID, "expert_weights_norm": False, "expert_ffn": None, "moe_layer_interval": None,
+    "nope_layer_interval": 4,
     "attention_chunk_tokens": 8192, "attention_temperature_floor_tokens": 8192, "attention_temperature_scale": 0.1})
 
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in (QWEN3MOE, QWEN2MOE, MIXTRAL, OLMOE, DEEPSEEK2,

@@ -125,7 +125,7 @@ class ModelConfig:
             dense_ffn=dense_ffn,
             num_experts=num_experts,
             num_experts_used=r.integer("expert_used_count", lo=1, hi=num_experts) if num_experts else 0,
-            expert_ffn=r.integer("expert_feed_forward_length", dense_ffn, hi=MAX_WIDTH),
+            expert_ffn=r.integer("expert_feed_forward_length", defaults.get("expert_ffn", dense_ffn), hi=MAX_WIDTH),
             shared_expert_ffn=_shared_expert_ffn(r, defaults),
             num_leading_dense_layers=r.integer("leading_dense_block_count", 0, hi=num_layers),
             expert_gating=_gating(r, defaults),
@@ -139,7 +139,7 @@ class ModelConfig:
             num_expert_groups=num_groups,
             num_expert_groups_used=r.integer("expert_group_used_count", 0, hi=num_groups),
             num_nextn_layers=num_nextn,
-            # An architecture whose default is None requires the key (llama4, as llama.cpp does).
+            # An architecture whose default is None requires the key (as llama.cpp does).
             moe_layer_interval=r.integer("interleave_moe_layer_step", defaults.get("moe_layer_interval", 0),
                                          hi=num_layers),
             **_irope(r, defaults, num_layers),

@@ -19,7 +19,7 @@ from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
 from splitmoe.modelfile.experts import ExpertShard, moe_layers
-from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.attention_service.test_native_front import check as check_native_front
 from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp, assert_like_llama_cpp, fixture_logits
@@ -80,6 +80,13 @@ def test_close_to_llama_cpp(fixtures_dir, prompt_ids, quant):
 
 def test_converter_matches_llama_cpp(fixtures_dir, tmp_path):
     assert_converter_matches_llama_cpp(fixtures_dir / ARCH, tmp_path)
+
+
+def test_the_expert_width_is_required(fixtures_dir, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    rewrite_gguf(fixtures_dir / ARCH / f"{ARCH}-q8_0.gguf", broken, drop_keys=("glm4moe.expert_feed_forward_length",))
+    with pytest.raises(GGUFError, match=r"broken.gguf: .*'glm4moe.expert_feed_forward_length'"):
+        runner(broken)
 
 
 def test_decode_token_by_token_equals_prefill(fixtures_dir, prompt_ids):

@@ -103,6 +103,7 @@ def test_the_file_states_the_iRoPE_of_llama_cpp(fixtures_dir, tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     ({"drop_keys": ("llama4.interleave_moe_layer_step",)}, "'llama4.interleave_moe_layer_step'"),
+    ({"drop_keys": ("llama4.expert_feed_forward_length",)}, "'llama4.expert_feed_forward_length'"),
     ({"set_keys": {"llama4.interleave_moe_layer_step": 1}},
      "layer 0 lacks a router ('blk.0.ffn_gate_inp.weight'), against metadata key 'llama4.interleave_moe_layer_step' = 1"),
 ])
