@@ -21,6 +21,7 @@ from splitmoe.attention_service.engine.tool_calls import (
     hermes,
     kimi_k2,
     mistral,
+    string_parameters,
 )
 from splitmoe.attention_service.engine.tool_calls.base import Parsed, ToolCall, assemble, parse_whole
 from splitmoe.attention_service.engine.tool_calls.forced import NamedCall, RequiredCalls
@@ -173,6 +174,18 @@ def test_glm45_template_rendering_of_calls_parses_back():
 
 def test_glm45_is_read_off_its_template_too():
     assert detect_tool_format(make_tokenizer(), GLM45, None).name == "glm45"
+
+
+def test_glm45_string_parameters_stay_strings():
+    """A string that reads as JSON ("42", "true") is a string where the request's schema says so."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "n": {"type": "integer"}, "flag": {"type": "string"}}}}}]
+    calling = ToolCalling("auto", string_parameters=string_parameters(tools))
+    reply = "<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>42</arg_value>\n<arg_key>n</arg_key>\n" \
+            "<arg_value>42</arg_value>\n<arg_key>flag</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
+    parser = ToolFormat("glm45", {}).parser(calling)
+    assert calls_of(parse_whole(parser, reply)[1]) == [("f", {"code": "42", "n": 42, "flag": "true"})]
+    assert calls_of(parse_whole(FORMATS["glm45"][0](), reply)[1]) == [("f", {"code": 42, "n": 42, "flag": True})]
 
 
 def test_a_glm45_reply_cut_short_keeps_its_complete_arguments():

@@ -48,6 +48,22 @@ class ToolCalling:
     mode: str                # AUTO: in the model's syntax | NAMED: all of it is `function`'s arguments | REQUIRED
     function: str = ""       # NAMED
     single: bool = False     # parallel_tool_calls false: the first call only
+    # (function, its string-typed parameters) of the request's tools: formats that write strings
+    # bare (glm45) read those as strings, whatever they look like
+    string_parameters: tuple[tuple[str, frozenset[str]], ...] = ()
+
+
+def string_parameters(tools: list) -> tuple[tuple[str, frozenset[str]], ...]:
+    """`ToolCalling.string_parameters` of OpenAI `tools` (malformed entries contribute nothing)."""
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        if isinstance(properties, dict) and isinstance(function.get("name"), str):
+            names = {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
+            out.append((function["name"], frozenset(names)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,8 @@ class ToolFormat:
             return NamedCall(calling.function)
         if calling.mode == REQUIRED:
             return RequiredCalls()
+        if self.name == "glm45":  # its values carry no quotes: the schemas tell strings apart
+            return glm45.Glm45Parser(dict(calling.string_parameters))
         return FORMATS[self.name][0]()
 
 

@@ -10,13 +10,14 @@
 The name runs to the line's end (or straight into the first `<arg_key>`: GLM-4.7 writes no
 newlines); each argument is a key and a value, the value as the template wrote it: JSON for
 non-strings (its `tojson`), the bare text for strings. The arguments stream out as one JSON object,
-an argument at a time. Without the request's parameter schemas here, a value that parses as JSON is
-taken as that JSON value and anything else as a string, as vLLM does when no schema names the type.
+an argument at a time. A parameter the request's schema types as a string is read as the text it
+is; any other value that parses as JSON is that JSON value, else a string, as vLLM reads them.
 `<tool_call>` is also Qwen's marker: GLM is told apart by `<arg_key>`.
 """
 from __future__ import annotations
 
 import json
+from typing import Collection, Mapping
 
 from splitmoe.attention_service.engine.tool_calls.base import StatesParser, find_first
 
@@ -37,8 +38,11 @@ def argument_value(text: str) -> str:
 
 
 class Glm45Parser(StatesParser):
-    def __init__(self) -> None:
+    def __init__(self, string_parameters: Mapping[str, Collection[str]] | None = None) -> None:
+        """string_parameters: function name -> its parameters typed as strings."""
         super().__init__()
+        self._string_parameters = string_parameters or {}
+        self._strings: Collection[str] = ()  # the current call's
         self._num_arguments = 0
         self._arg_key = ""
 
@@ -53,7 +57,9 @@ class Glm45Parser(StatesParser):
         if hit is None and not final:
             return False
         at = hit[0] if hit else len(self._buffer)
-        self._begin_call(self._buffer[:at])
+        name = self._buffer[:at].strip()
+        self._begin_call(name)
+        self._strings = self._string_parameters.get(name, ())
         self._buffer, self._num_arguments, self._state = self._buffer[at:], 0, _ARGS
         return True
 
@@ -86,7 +92,9 @@ class Glm45Parser(StatesParser):
         if at < 0:
             return self._cut_short(final)
         opening = "{" if not self._num_arguments else ", "
-        self._emit_arguments(f"{opening}{json.dumps(self._arg_key, ensure_ascii=False)}: {argument_value(self._buffer[:at])}")
+        text = self._buffer[:at]
+        value = json.dumps(text, ensure_ascii=False) if self._arg_key in self._strings else argument_value(text)
+        self._emit_arguments(f"{opening}{json.dumps(self._arg_key, ensure_ascii=False)}: {value}")
         self._num_arguments += 1
         self._buffer, self._state = self._buffer[at + len(VALUE_CLOSE):], _ARGS
         return True
