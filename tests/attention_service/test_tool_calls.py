@@ -186,6 +186,8 @@ def test_glm45_string_parameters_stay_strings():
     parser = ToolFormat("glm45", {}).parser(calling)
     assert calls_of(parse_whole(parser, reply)[1]) == [("f", {"code": "42", "n": 42, "flag": "true"})]
     assert calls_of(parse_whole(FORMATS["glm45"][0](), reply)[1]) == [("f", {"code": 42, "n": 42, "flag": True})]
+    nan = "<tool_call>f<arg_key>x</arg_key><arg_value>NaN</arg_value></tool_call>"  # not JSON: a string
+    assert json.loads(parse_whole(FORMATS["glm45"][0](), nan)[1][0].arguments) == {"x": "NaN"}
 
 
 def test_a_glm45_reply_cut_short_keeps_its_complete_arguments():

@@ -29,12 +29,17 @@ _CONTENT, _NAME, _ARGS, _KEY, _VALUE_OPEN, _VALUE = "content", "name", "args", "
 
 
 def argument_value(text: str) -> str:
-    """One value as JSON text: itself where it is JSON, else the string it is."""
+    """One value as JSON text: itself where it is JSON (strict: no NaN or Infinity, which Python's
+    parser takes and clients' refuse), else the string it is."""
     try:
-        json.loads(text)
+        json.loads(text, parse_constant=_not_json)
         return text.strip()
     except ValueError:
         return json.dumps(text, ensure_ascii=False)
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
 
 
 class Glm45Parser(StatesParser):
