@@ -25,7 +25,7 @@ from splitmoe.attention_service.engine.grammar import Grammar, StructuredOutput
 from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
-from splitmoe.attention_service.engine.tool_calls import ToolCalling
+from splitmoe.attention_service.engine.tool_calls import ToolCalling, string_parameters
 from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
@@ -155,7 +155,8 @@ def tool_calling(request: pb.GenerateRequest) -> ToolCalling | None:
         return None
     if t.mode == pb.ToolCalling.NAMED and not t.function:
         raise ValueError("tool_calling NAMED needs a function")
-    return ToolCalling(_TOOL_MODES[t.mode], t.function, t.single)
+    tools = _tools(request.chat) if request.WhichOneof("prompt") == "chat" else None
+    return ToolCalling(_TOOL_MODES[t.mode], t.function, t.single, string_parameters(tools or []))
 
 
 def _template_kwargs(chat: pb.ChatPrompt) -> dict:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from splitmoe.kernels.moe import ACT_SILU, ACT_SWIGLU_OAI
 from splitmoe.modelfile.gguf_file import GGUFFile
-from splitmoe.modelfile.hparams import GATING_SOFTMAX_WEIGHT, NORM_LAYER, ModelConfig
+from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT, NORM_LAYER, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,19 @@ DBRX = Architecture("dbrx", hparam_defaults={"norm": NORM_LAYER, "expert_weights
 # renormalisation; DeepSeek-MoE's `norm_topk_prob` has no key.
 DEEPSEEK = Architecture("deepseek", hparam_defaults={"expert_weights_norm": False})
 
+# attention_service/models/glm4moe.py. llama.cpp's gating when the file names none: sigmoid. A default
+# None: the key is required (here `expert_feed_forward_length`), as llama.cpp requires it.
+GLM4MOE = Architecture("glm4moe", hparam_defaults={"expert_gating": GATING_SIGMOID, "expert_weights_norm": False,
+                                                   "expert_ffn": None})
+# attention_service/models/llama4.py. Sigmoid gating and iRoPE are llama.cpp's constants for it;
+# `interleave_moe_layer_step` and `expert_feed_forward_length` are required (None).
+LLAMA4 = Architecture("llama4", hparam_defaults={
+    "expert_gating": GATING_SIGMOID, "expert_weights_norm": False, "expert_ffn": None, "moe_layer_interval": None,
+    "nope_layer_interval": 4,
+    "attention_chunk_tokens": 8192, "attention_temperature_floor_tokens": 8192, "attention_temperature_scale": 0.1})
+
 ARCHITECTURES: dict[str, Architecture] = {a.gguf_arch: a for a in (QWEN3MOE, QWEN2MOE, MIXTRAL, OLMOE, DEEPSEEK2,
-                                                                   GPT_OSS, DBRX, DEEPSEEK)}
+                                                                   GPT_OSS, DBRX, DEEPSEEK, GLM4MOE, LLAMA4)}
 
 
 def architecture(gguf_arch: str) -> Architecture:

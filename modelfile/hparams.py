@@ -78,6 +78,18 @@ class ModelConfig:
     norm: str = NORM_RMS
     # q, k and v clamped to [-clamp_kqv, clamp_kqv] after projection (DBRX); 0: not clamped.
     clamp_kqv: float = 0.0
+    # GLM-4.5's NextN/MTP blocks: the last `nextn_predict_layers` of `block_count`, which the main
+    # forward pass does not run (num_layers counts only the others).
+    num_nextn_layers: int = 0
+    # Llama 4: layer i is MoE when (i + 1) % moe_layer_interval == 0 (0: the file's routers decide).
+    moe_layer_interval: int = 0
+    # Llama 4's iRoPE (llama.cpp hard-codes it: no GGUF key; see `_irope`). Layer i has no rope
+    # when (i + 1) % nope_layer_interval == 0; the others attend within chunks of
+    # attention_chunk_tokens; NoPE layers scale q by log(floor((pos + 1) / floor) + 1) * scale + 1.
+    nope_layer_interval: int = 0
+    attention_chunk_tokens: int = 0
+    attention_temperature_floor_tokens: int = 0
+    attention_temperature_scale: float = 0.0
 
     @classmethod
     def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None) -> "ModelConfig":
@@ -95,7 +107,9 @@ class ModelConfig:
         num_kv_heads = r.integer("attention.head_count_kv", heads, lo=1, hi=heads)
         if heads % num_kv_heads:
             r.fail("attention.head_count_kv", num_kv_heads, f"does not divide attention.head_count = {heads}")
-        num_layers = r.integer("block_count", lo=1, hi=MAX_LAYERS)
+        block_count = r.integer("block_count", lo=1, hi=MAX_LAYERS)
+        num_nextn = r.integer("nextn_predict_layers", 0, hi=block_count - 1)
+        num_layers = block_count - num_nextn
         dense_ffn = r.integer("feed_forward_length", 0, hi=MAX_WIDTH)
         num_experts = r.integer("expert_count", 0, hi=MAX_EXPERTS)
         num_groups = r.integer("expert_group_count", 0, hi=num_experts)
@@ -118,7 +132,7 @@ class ModelConfig:
             dense_ffn=dense_ffn,
             num_experts=num_experts,
             num_experts_used=r.integer("expert_used_count", lo=1, hi=num_experts) if num_experts else 0,
-            expert_ffn=r.integer("expert_feed_forward_length", dense_ffn, hi=MAX_WIDTH),
+            expert_ffn=r.integer("expert_feed_forward_length", defaults.get("expert_ffn", dense_ffn), hi=MAX_WIDTH),
             shared_expert_ffn=_shared_expert_ffn(r, defaults),
             num_leading_dense_layers=r.integer("leading_dense_block_count", 0, hi=num_layers),
             expert_gating=_gating(r, defaults),
@@ -134,6 +148,11 @@ class ModelConfig:
             norm=norm,
             # An architecture whose default is None requires the key (dbrx, as llama.cpp does).
             clamp_kqv=r.non_negative("attention.clamp_kqv", defaults.get("clamp_kqv", 0.0)),
+            num_nextn_layers=num_nextn,
+            # An architecture whose default is None requires the key (as llama.cpp does).
+            moe_layer_interval=r.integer("interleave_moe_layer_step", defaults.get("moe_layer_interval", 0),
+                                         hi=num_layers),
+            **_irope(r, defaults, num_layers),
         )
 
 
@@ -220,6 +239,29 @@ def _gating(r: _Reader, defaults: Mapping[str, Any]) -> str:
     if code not in _GATING_BY_CODE:
         r.fail("expert_gating_func", code, "is not supported (1: softmax, 2: sigmoid)")
     return _GATING_BY_CODE[code]
+
+
+def _irope(r: _Reader, defaults: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Llama 4's NoPE interval, chunk and temperature: the architecture's values (llama.cpp's
+    constants), except that a file stating `attention.sliding_window` = 0 (a config whose every
+    layer is full attention) has no chunks and no temperature, and only its last layer is NoPE, as
+    llama.cpp reads it. SplitMoE's own `splitmoe.*` keys, which no converter writes, replace the
+    constants: tests use them to reach chunk and floor in a few tokens."""
+    interval = int(defaults.get("nope_layer_interval", 0))
+    if not interval:
+        return {}
+    if r.g.arch_get("attention.sliding_window") == 0:
+        return {"nope_layer_interval": num_layers}
+    return {
+        "nope_layer_interval": interval,
+        "attention_chunk_tokens": r.integer("splitmoe.attention_chunk_tokens", defaults["attention_chunk_tokens"],
+                                            lo=1, hi=MAX_CONTEXT),
+        "attention_temperature_floor_tokens": r.integer(
+            "splitmoe.attention_temperature_floor_tokens", defaults["attention_temperature_floor_tokens"],
+            lo=1, hi=MAX_CONTEXT),
+        "attention_temperature_scale": r.positive("splitmoe.attention_temperature_scale",
+                                                  defaults["attention_temperature_scale"]),
+    }
 
 
 def _rope_scaling(r: _Reader) -> RopeScaling | None:

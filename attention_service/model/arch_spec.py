@@ -11,12 +11,13 @@ from splitmoe.modelfile.architectures import Architecture
 
 QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
 SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED = "none", "plain", "sigmoid_gated"
-# Multi-head attention with grouped KV heads (attention.py); multi-head latent attention (mla.py).
-ATTENTION_MHA, ATTENTION_MLA = "mha", "mla"
+# Multi-head attention with grouped KV heads (attention.py); multi-head latent attention (mla.py);
+# Llama 4's iRoPE: the former with NoPE, chunked and temperature-tuned layers (irope.py).
+ATTENTION_MHA, ATTENTION_MLA, ATTENTION_IROPE = "mha", "mla", "irope"
 
 _KINDS = {"qk_norm": (QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL),
           "shared_expert": (SHARED_EXPERT_NONE, SHARED_EXPERT_PLAIN, SHARED_EXPERT_GATED),
-          "attention": (ATTENTION_MHA, ATTENTION_MLA)}
+          "attention": (ATTENTION_MHA, ATTENTION_MLA, ATTENTION_IROPE)}
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class ArchSpec:
     architecture: Architecture
     # q/k RMSNorm after projection: per head (Qwen3) or over the whole projection (OLMoE).
     qk_norm: str = QK_NORM_NONE
+    # The q/k norm only where the file has it (GLM-4.5 has it, 4.5-Air not); otherwise required.
+    qk_norm_optional: bool = False
     # Biases on q/k/v (Qwen2): loaded and required.
     qkv_bias: bool = False
     # q, k and v stored as one `attn_qkv` weight, rows q | k | v (DBRX): split by rows at load.
@@ -41,6 +44,8 @@ class ArchSpec:
     sliding_window_pattern: int = 0
     # GGUF name of the norm before the FFN: `ffn_norm`, or gpt-oss's `post_attention_norm`.
     ffn_norm: str = "ffn_norm"
+    # The router's weight scales each expert's input, not its output (Llama 4).
+    expert_input_weighted: bool = False
 
     def __post_init__(self) -> None:
         for name, kinds in _KINDS.items():

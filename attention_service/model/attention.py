@@ -40,19 +40,32 @@ def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
               scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
-              first_position: int = 0, gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              first_position: int = 0, chunk_tokens: int = 0,
+              gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal attention of new queries over the context, computed in float32 (softmax always; the
-    matrix products in bfloat16 where `gemm_dtype` says so: `grouped_attention`).
+    probabilities times values product in bfloat16 where `gemm_dtype` says so: `grouped_attention`).
 
     q [T, H, D] at absolute `q_positions` [T]; k [C, G, D] and v [C, G, Dv] hold positions
     `first_position`..`first_position`+C-1. `window_tokens` > 0: each query sees only itself and
-    the window_tokens-1 positions before it (sliding window). `sinks` [H]: one learned logit per
-    head that joins the softmax denominator and adds no value (gpt-oss).
+    the window_tokens-1 positions before it (sliding window). `chunk_tokens` > 0: each query sees
+    only the positions of its own chunk of that many, from the chunk's start (Llama 4's chunked
+    attention). `sinks` [H]: one learned logit per head that joins the softmax denominator and adds
+    no value (gpt-oss).
     Returns [T, H, Dv] in q's dtype.
     """
     return grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), q_positions, scale,
                              window_tokens=window_tokens, sinks=sinks, first_position=first_position,
-                             gemm_dtype=gemm_dtype)
+                             chunk_tokens=chunk_tokens, gemm_dtype=gemm_dtype)
+
+
+def visible_from(position: int, window_tokens: int = 0, chunk_tokens: int = 0) -> int:
+    """The oldest position a query at `position` sees (before clamping at 0): its sliding window's
+    first, or its chunk's start. Never decreases with the position, which the chunking relies on."""
+    if window_tokens:
+        return position - window_tokens + 1
+    if chunk_tokens:
+        return position // chunk_tokens * chunk_tokens
+    return 0
 
 
 def host_positions(q_positions: torch.Tensor) -> list[int] | None:
@@ -63,7 +76,8 @@ def host_positions(q_positions: torch.Tensor) -> list[int] | None:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                       scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
-                      first_position: int = 0, gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      first_position: int = 0, chunk_tokens: int = 0,
+                      gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`attention` with k [G, C, D] and v [G, C, Dv] in the KV cache's layout.
 
     Grouped query heads are never expanded: the R = H/G query heads of a kv head become R rows of
@@ -87,9 +101,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     kf, vf = k.float(), (v if low else v.float())
     qf = q.float() * scale
     if T == 1 and sinks is None and q_positions.device.type == "cpu":  # decode: a few calls
-        lo = 0
-        if window_tokens:
-            lo = min(C - 1, max(0, int(q_positions[0]) - window_tokens + 1 - first_position))
+        if window_tokens or chunk_tokens:
+            lo = min(C - 1, max(0, visible_from(int(q_positions[0]), window_tokens, chunk_tokens) - first_position))
             kf, vf = kf[:, lo:], vf[:, lo:]
         probs = torch.softmax(torch.bmm(qf.view(G, R, D), kf.mT), dim=-1)
         out = torch.bmm(probs, vf).view(1, H, Dv)
@@ -106,9 +119,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         if positions is not None:
             p_min, p_max = min(positions[t0:t1]), max(positions[t0:t1])
             hi = max(1, min(C, p_max - first_position + 1))
-            if window_tokens:
-                lo = min(hi - 1, max(0, p_min - window_tokens + 1 - first_position))
-                if p_max - window_tokens + 1 <= first_position + lo:  # no query's window starts later
+            if window_tokens or chunk_tokens:
+                lo = min(hi - 1, max(0, visible_from(p_min, window_tokens, chunk_tokens) - first_position))
+                # no query's window or chunk starts later: causal masking alone
+                if visible_from(p_max, window_tokens, chunk_tokens) <= first_position + lo:
                     mask_from = max(0, p_min + 1 - first_position)
             else:
                 mask_from = max(0, p_min + 1 - first_position)
@@ -120,6 +134,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
             allowed = context[None, :] <= pos
             if window_tokens:
                 allowed &= context[None, :] > pos - window_tokens
+            elif chunk_tokens:
+                allowed &= context[None, :] >= torch.div(pos, chunk_tokens, rounding_mode="floor") * chunk_tokens
             scores[..., start - lo :].masked_fill_(~allowed[None, :, None, :], float("-inf"))
         if sink is None:
             probs = torch.softmax(scores, dim=-1)
@@ -153,12 +169,18 @@ class AttentionWeights:
 
 
 class MultiHeadAttention:
-    def __init__(self, cfg: ModelConfig, spec: ArchSpec, device: torch.device):
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, device: torch.device, rope_freqs: torch.Tensor | None = None):
+        """rope_freqs: the file's `rope_freqs.weight` (llama3-style scaling as per-pair divisors), if any."""
         self.cfg, self.spec = cfg, spec
-        self.rope = Rope(cfg.rope_dims, cfg.rope_theta, spec.rope_interleaved, cfg.rope_scaling, device=device)
+        self.rope = Rope(cfg.rope_dims, cfg.rope_theta, spec.rope_interleaved, cfg.rope_scaling, device=device,
+                         freq_factors=rope_freqs)
         self.scale = softmax_scale(cfg.head_dim)
         if spec.sliding_window_pattern and cfg.sliding_window_tokens <= 0:
             raise ValueError(f"{cfg.arch}: sliding-window layers need {cfg.arch}.attention.sliding_window > 0")
+
+    def chunk_tokens(self, layer: int) -> int:
+        """The layer's attention chunk (Llama 4, irope.py), 0 for none."""
+        return 0
 
     def window_tokens(self, layer: int) -> int:
         """The layer's sliding window, 0 for full attention.
@@ -178,7 +200,7 @@ class MultiHeadAttention:
             return load(name, (width,), f32) if spec.qkv_bias else load.optional(name, (width,), f32)
 
         def qk_norm(name: str, heads: int) -> torch.Tensor | None:
-            if spec.qk_norm == QK_NORM_NONE:
+            if spec.qk_norm == QK_NORM_NONE or (spec.qk_norm_optional and not load.g.has(name)):
                 return None
             return load.norm(name, (Dk,) if spec.qk_norm == QK_NORM_PER_HEAD else (heads * Dk,))
 
@@ -209,11 +231,14 @@ class MultiHeadAttention:
             return None
         if self.cfg.clamp_kqv or self.cfg.norm != NORM_RMS:  # the native layer has RMSNorm and no clamp
             return None
+        if (w.q_norm is None) != (w.k_norm is None):  # one kind for both in the kernel
+            return None
         c, pools = self.cfg, kv.pools(i)
         return AttentionFront(
             eps=c.norm_eps, attn_norm=attn_norm, ffn_norm=ffn_norm, q=w.q, k=w.k, v=w.v, o=w.out,
             heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.value_head_dim,
-            biases=(w.q_bias, w.k_bias, w.v_bias, w.out_bias), qk_norm=self.spec.qk_norm, q_norm=w.q_norm,
+            biases=(w.q_bias, w.k_bias, w.v_bias, w.out_bias),
+            qk_norm=self.spec.qk_norm if w.q_norm is not None else QK_NORM_NONE, q_norm=w.q_norm,
             k_norm=w.k_norm, rope_dims=self.rope.dims, rope_interleaved=self.rope.interleaved, scale=self.scale,
             window=self.window_tokens(i), sinks=w.sinks, k_pool=pools["k"], v_pool=pools["v"], router=router,
             router_bias=router_bias)
@@ -226,6 +251,13 @@ class MultiHeadAttention:
     def __call__(self, i: int, w: AttentionWeights, h: torch.Tensor, batch: StepBatch,
                  kv: KVCache) -> torch.Tensor:
         """h [T, hidden] -> attention output [T, hidden]; writes this step's K/V to the cache."""
+        q, k, v = self._project(w, h)
+        q, k = self._position(i, w, q, k, batch.positions)
+        kv.write(i, batch.new_slots, k=k, v=v)
+        return linear(self._attend(i, w, q, batch, kv).flatten(1), w.out, w.out_bias)
+
+    def _project(self, w: AttentionWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, Dk], k [T, G, Dk], v [T, G, Dv], q/k normed where the architecture norms them."""
         c, eps = self.cfg, self.cfg.norm_eps
         if isinstance(w.q, QuantLinear):
             h = h.float()  # what the quantized routes take: converted once for q, k and v
@@ -233,40 +265,52 @@ class MultiHeadAttention:
         if c.clamp_kqv:
             q, k, v = (t.clamp(-c.clamp_kqv, c.clamp_kqv) for t in (q, k, v))
         if self.spec.qk_norm == QK_NORM_FULL:
-            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+            q, k = _norm(q, w.q_norm, eps), _norm(k, w.k_norm, eps)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.value_head_dim)
         if self.spec.qk_norm == QK_NORM_PER_HEAD:
-            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-        q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
-        kv.write(i, batch.new_slots, k=k, v=v)
-        window = self.window_tokens(i)
+            q, k = _norm(q, w.q_norm, eps), _norm(k, w.k_norm, eps)
+        return q, k, v
+
+    def _position(self, i: int, w: AttentionWeights, q: torch.Tensor, k: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k with their positions applied: rope, here."""
+        return self.rope(q, positions), self.rope(k, positions)
+
+    def _attend(self, i: int, w: AttentionWeights, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        """[T, H, Dv]: the new queries over their sequences' cached context."""
+        window, chunk = self.window_tokens(i), self.chunk_tokens(i)
         if use_native_decode(batch, kv):
             pools = kv.pools(i)
-            out = decode_attention(batch.attention_context, q, pools["k"], pools["v"], self.scale,
-                                   window_tokens=window, sinks=w.sinks)
-            return linear(out.flatten(1), w.out, w.out_bias)
+            # A chunked layer's rows attend over their chunk: a context of its own, one per step.
+            context = batch.chunked_attention_context(chunk) if chunk else batch.attention_context
+            return decode_attention(context, q, pools["k"], pools["v"], self.scale, window_tokens=window, sinks=w.sinks)
         parts, one = [], len(batch.seqs) == 1
         gemm = gemm_dtype() if kv.device.type == "cpu" else torch.float32
         for s in batch.seqs:
-            first = _first_visible_position(s, window)
+            first = _first_visible_position(s, window, chunk)
             # The whole context is the step's own tensor, so the cache recognises it across layers.
             ctx = kv.read_pooled(i, s.context_slots[first:] if first else s.context_slots)
             parts.append(grouped_attention(q if one else q[s.start : s.end], ctx["k"], ctx["v"],
                                            batch.positions if one else batch.positions[s.start : s.end],
                                            self.scale, window_tokens=window, sinks=w.sinks, first_position=first,
-                                           gemm_dtype=gemm))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return linear(out.flatten(1), w.out, w.out_bias)
+                                           chunk_tokens=chunk, gemm_dtype=gemm))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _first_visible_position(s: SeqSlice, window_tokens: int) -> int:
-    """The oldest context position any of the slice's queries sees: a sliding layer reads no more.
+def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The q or k RMSNorm, where the layer has one (an optional norm the file left out: none)."""
+    return x if weight is None else rms_norm(x, weight, eps)
+
+
+def _first_visible_position(s: SeqSlice, window_tokens: int, chunk_tokens: int = 0) -> int:
+    """The oldest context position any of the slice's queries sees: a sliding or chunked layer reads
+    no more.
 
     The context holds positions 0..C-1 with the slice's new tokens last (host-side ints, no sync).
     """
-    if not window_tokens:
+    if not window_tokens and not chunk_tokens:
         return 0
     first_query = len(s.context_slots) - (s.end - s.start)
-    return max(0, first_query - window_tokens + 1)
+    return max(0, visible_from(first_query, window_tokens, chunk_tokens))

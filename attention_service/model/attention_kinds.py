@@ -2,11 +2,13 @@
 declares its KV cache entries and computes a layer."""
 from __future__ import annotations
 
-from splitmoe.attention_service.model.arch_spec import ATTENTION_MHA, ATTENTION_MLA, ArchSpec
+from splitmoe.attention_service.model.arch_spec import ATTENTION_IROPE, ATTENTION_MHA, ATTENTION_MLA, ArchSpec
 from splitmoe.attention_service.model.attention import MultiHeadAttention
+from splitmoe.attention_service.model.irope import IRopeAttention
 from splitmoe.attention_service.model.mla import MultiLatentAttention
 
-ATTENTION_CLASSES = {ATTENTION_MHA: MultiHeadAttention, ATTENTION_MLA: MultiLatentAttention}
+ATTENTION_CLASSES = {ATTENTION_MHA: MultiHeadAttention, ATTENTION_MLA: MultiLatentAttention,
+                     ATTENTION_IROPE: IRopeAttention}
 
 
 def attention_class(spec: ArchSpec) -> type[MultiHeadAttention] | type[MultiLatentAttention]:

@@ -42,6 +42,29 @@ class StepBatch:
         per step, read by every layer."""
         return AttentionContext.build([(s.start, s.end - s.start, s.context_slots) for s in self.seqs])
 
+    @cached_property
+    def _chunked_contexts(self) -> dict[int, AttentionContext]:
+        return {}
+
+    def chunked_attention_context(self, chunk_tokens: int) -> AttentionContext:
+        """`attention_context` for chunked attention (Llama 4): each sequence's rows grouped by the
+        chunk their position falls in, each group over its chunk's slots up to its last row. Built
+        once per step and chunk size."""
+        context = self._chunked_contexts.get(chunk_tokens)
+        if context is None:
+            rows = []
+            for s in self.seqs:
+                num_context = len(s.context_slots)
+                first = num_context - (s.end - s.start)  # the first row's position
+                while first < num_context:
+                    chunk_start = first // chunk_tokens * chunk_tokens
+                    last = min(num_context, chunk_start + chunk_tokens)  # past the group's last row
+                    rows.append((s.start + first - (num_context - (s.end - s.start)), last - first,
+                                 s.context_slots[chunk_start:last]))
+                    first = last
+            context = self._chunked_contexts[chunk_tokens] = AttentionContext.build(rows)
+        return context
+
     def split(self, num_parts: int) -> list[tuple["StepBatch", slice]]:
         """The batch cut by sequence into up to `num_parts` micro-batches of about equal tokens,
         each with its rows of this batch; rows, logits rows and slots renumbered within each."""

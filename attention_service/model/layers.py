@@ -42,14 +42,18 @@ class Rope:
     `interleaved` rotates pairs (2i, 2i+1) (llama.cpp's "norm" rope: Llama/Mixtral files, whose q/k
     rows the converter permuted); otherwise pairs (i, i + dims/2) (NeoX: Qwen, OLMoE, gpt-oss).
     `magnitude`, when given, replaces the cos/sin magnitude the scaling implies (DeepSeek's YaRN
-    moves it into the attention scale instead).
+    moves it into the attention scale instead). `freq_factors` [dims/2] divide the frequencies, as
+    ggml's rope does with a file's `rope_freqs.weight`.
     """
 
     def __init__(self, dims: int, theta: float, interleaved: bool, scaling: RopeScaling | None = None,
-                 device: torch.device | None = None, magnitude: float | None = None):
+                 device: torch.device | None = None, magnitude: float | None = None,
+                 freq_factors: torch.Tensor | None = None):
         self.dims = dims
         self.interleaved = interleaved
         inv_freq = 1.0 / theta ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+        if freq_factors is not None:  # a file's `rope_freqs` (llama3 scaling): pair j turns 1/factor[j] as fast
+            inv_freq = inv_freq / freq_factors.to(device="cpu", dtype=torch.float64).reshape(dims // 2)
         inv_freq, self.magnitude = _apply_scaling(inv_freq, scaling, theta, dims)
         if magnitude is not None:
             self.magnitude = magnitude

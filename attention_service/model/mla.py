@@ -92,13 +92,13 @@ def yarn_mscales(scaling: RopeScaling | None) -> tuple[float | None, float]:
 
 
 class MultiLatentAttention:
-    def __init__(self, cfg: ModelConfig, spec: ArchSpec, device: torch.device):
+    def __init__(self, cfg: ModelConfig, spec: ArchSpec, device: torch.device, rope_freqs: torch.Tensor | None = None):
         self.cfg, self.spec = cfg, spec
         self.rope_dims = cfg.rope_dims
         self.nope_dims = cfg.mla_key_head_dim - cfg.rope_dims
         magnitude, logit_factor = yarn_mscales(cfg.rope_scaling)
         self.rope = Rope(cfg.rope_dims, cfg.rope_theta, spec.rope_interleaved, cfg.rope_scaling, device=device,
-                         magnitude=magnitude)
+                         magnitude=magnitude, freq_factors=rope_freqs)
         self.scale = softmax_scale(cfg.mla_key_head_dim) * logit_factor
 
     @staticmethod

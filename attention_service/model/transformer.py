@@ -32,23 +32,42 @@ from splitmoe.modelfile.hparams import ModelConfig
 class _PendingFFN:
     """A MoE FFN whose routed experts are still being computed: `finish()` adds the shared part."""
 
-    __slots__ = ("_handle", "_shared", "_value")
+    __slots__ = ("_handle", "_shared", "_value", "_tokens")
 
-    def __init__(self, handle: ExpertsHandle | None, shared: torch.Tensor | None, value: torch.Tensor | None = None):
-        self._handle, self._shared, self._value = handle, shared, value
+    def __init__(self, handle: ExpertsHandle | None, shared: torch.Tensor | None, value: torch.Tensor | None = None,
+                 tokens: int = 0):
+        self._handle, self._shared, self._value, self._tokens = handle, shared, value, tokens
 
     def finish(self) -> torch.Tensor:
         if self._handle is None:
             return self._value
-        out = self._handle.wait().float()
+        out = per_token(self._handle.wait().float(), self._tokens)
         return out if self._shared is None else out + self._shared
+
+
+def input_weighted(h: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Experts whose router weight scales their input (Llama 4) as plain weighted experts: each
+    (token, chosen expert) becomes a row of its own, the token's input times the weight, with weight
+    1. Any expert backend, remote ones included, then computes expert(w·x); `per_token` sums each
+    token's rows. With Llama 4's one expert per token there is one row per token, as before."""
+    T, K = ids.shape
+    rows = (h.float()[:, None, :] * weights[..., None].float()).to(h.dtype).reshape(T * K, -1)
+    return rows, ids.reshape(T * K, 1), torch.ones(T * K, 1, dtype=weights.dtype, device=weights.device)
+
+
+def per_token(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`input_weighted`'s rows summed back to their tokens (num_tokens 0: rows are tokens already)."""
+    if not num_tokens or out.shape[0] == num_tokens:
+        return out
+    return out.view(num_tokens, -1, out.shape[-1]).sum(dim=1)
 
 
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, weights: ModelWeights, experts: ExpertBackend,
                  micro_batches: int = 1):
         self.cfg, self.spec, self.weights, self.experts = cfg, spec, weights, experts
-        self.attention = attention_class(spec)(cfg, spec, weights.token_embedding.device)
+        self.attention = attention_class(spec)(cfg, spec, weights.token_embedding.device, weights.rope_freqs)
         self.dtype = weights.token_embedding.dtype
         self.norm = NORMS[cfg.norm]
         if micro_batches not in (1, 2):
@@ -131,7 +150,7 @@ class MoETransformer:
             f = layer.dense_ffn
             return swiglu(h, f)
         ids, weights = self._route(layer, h32, batch, top_k, router_logits)
-        out = self.experts.forward(i, h, ids, weights).float()
+        out = per_token(self.experts.forward(i, *self._expert_inputs(h, ids, weights)).float(), h.shape[0])
         shared = self._shared(layer, h, h32)
         return out if shared is None else out + shared
 
@@ -143,8 +162,13 @@ class MoETransformer:
             f = layer.dense_ffn
             return _PendingFFN(None, None, swiglu(h, f))
         ids, weights = self._route(layer, h32, batch, top_k)
-        handle = self.experts.submit(i, h, ids, weights)
-        return _PendingFFN(handle, self._shared(layer, h, h32))
+        handle = self.experts.submit(i, *self._expert_inputs(h, ids, weights))
+        return _PendingFFN(handle, self._shared(layer, h, h32), tokens=h.shape[0])
+
+    def _expert_inputs(self, h: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden, ids, weights) as the expert backend takes them."""
+        return input_weighted(h, ids, weights) if self.spec.expert_input_weighted else (h, ids, weights)
 
     def _route(self, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int,
                router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

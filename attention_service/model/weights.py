@@ -7,6 +7,7 @@ quantized blocks (kernels/linear.py: QuantLinear, QuantEmbedding); see weight_lo
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +18,12 @@ from splitmoe.attention_service.model.arch_spec import SHARED_EXPERT_GATED, SHAR
 from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
-from splitmoe.modelfile.experts import expert_tensor_names, moe_layers
+from splitmoe.modelfile.experts import expert_tensor_names, format_ranges, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: torch.Tensor
     output: LinearWeight
+    rope_freqs: torch.Tensor | None = None  # float32 [rope dims / 2]: llama3-style per-pair divisors
 
 
 def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dtype,
@@ -77,6 +80,7 @@ def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dty
         layers=[_load_layer(load, spec, cfg, i) for i in range(cfg.num_layers)],
         output_norm=load.norm("output_norm.weight", (cfg.hidden_size,)),
         output=output,
+        rope_freqs=load.optional("rope_freqs.weight", (cfg.rope_dims // 2,), torch.float32),
     )
     _check_every_tensor_read(g, cfg, load.used)
     return weights
@@ -85,6 +89,11 @@ def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dty
 def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"blk.{i}."
     is_moe = load.g.has(p + "ffn_gate_inp.weight")
+    step = cfg.moe_layer_interval
+    if step and is_moe != ((i + 1) % step == 0):
+        raise GGUFError(f"{load.g.path.name}: layer {i} {'has' if is_moe else 'lacks'} a router "
+                        f"('{p}ffn_gate_inp.weight'), against metadata key '{load.g.arch}.interleave_moe_layer_step' "
+                        f"= {step}")
     return LayerWeights(
         attn_norm=load.norm(p + "attn_norm.weight", (cfg.hidden_size,)),
         attn=attention_class(spec).load_weights(load, spec, cfg, p),
@@ -124,16 +133,26 @@ def _check_every_tensor_read(g: GGUFFile, cfg: ModelConfig, used: set[str]) -> N
 
     As llama.cpp counts them: a tensor nothing reads is a file that is not what its metadata says
     (a renamed `output.weight` would otherwise pass as tied embeddings, a `block_count` too small
-    would silently drop layers).
+    would silently drop layers). The NextN/MTP layers past the last one are skipped, and logged.
     """
     known = set(used)
     for layer in moe_layers(g):
         known |= expert_tensor_names(g, layer)
+    nextn = []
     for name in g.tensor_names:
         if name in known:
             continue
         match = _LAYER.match(name)
+        if match and cfg.num_layers <= int(match.group(1)) < cfg.num_layers + cfg.num_nextn_layers:
+            nextn.append(name)
+            continue
         if match and int(match.group(1)) >= cfg.num_layers:
             raise GGUFError(f"{g.path.name}: tensor {name!r} is past the last layer "
                             f"({g.arch}.block_count = {cfg.num_layers})")
         raise GGUFError(f"{g.path.name}: tensor {name!r} is unknown to a {g.arch} model of these hyper-parameters")
+    if nextn:
+        # As llama.cpp's main forward pass: the MTP block predicts further tokens for speculative
+        # decoding, which SplitMoE does not do.
+        log.info("%s: skipping the NextN/MTP %s (%d tensors, %s.nextn_predict_layers = %d): not used for generation",
+                 g.path.name, format_ranges("layers", range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_layers)),
+                 len(nextn), g.arch, cfg.num_nextn_layers)

@@ -40,7 +40,7 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                               help="on: requests reuse the KV of full blocks an earlier request with the same "
                                    "tokens before them computed (a shared system prompt is prefilled once), "
                                    "least recently used evicted first; off: every prompt is computed whole")),
-    ("--tool-call-parser", dict(choices=["auto", "hermes", "deepseek", "kimi_k2", "mistral", "harmony", "none"],
+    ("--tool-call-parser", dict(choices=["auto", "hermes", "deepseek", "kimi_k2", "mistral", "harmony", "glm45", "none"],
                                 default="auto",
                                 help="how chat replies' tool calls are read: auto picks the model's syntax from "
                                      "its vocabulary and chat template (hermes when none is recognised); none: "

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {
 FIXTURES = ["gptoss/gptoss-q8_0.gguf",  # sinks, a 32-token sliding window on even layers
             "deepseek2/deepseek2-q8_0.gguf", "deepseek3/deepseek3-q4_k_m.gguf",  # MLA
             "mixtral/mixtral-q8_0.gguf", "qwen2moe/qwen2moe-q8_0.gguf",
-            "dbrx/dbrx-q8_0.gguf"]  # clamped q/k/v
+            "dbrx/dbrx-q8_0.gguf",  # clamped q/k/v
+            "glm4moe/glm4moe-q8_0.gguf",  # q width != hidden
+            "llama4/llama4-q8_0.gguf"]  # chunked layers (chunks beyond the prompt) and a NoPE one
 
 
 def torch_reference(ctx, q, k, v, scale, window_tokens=0, sinks=None, value_dims=None):

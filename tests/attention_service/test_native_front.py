@@ -30,7 +30,8 @@ FIXTURES = ["qwen3moe/qwen3moe-q8_0.gguf",  # per-head q/k norm
             "mixtral/mixtral-q8_0.gguf",  # interleaved rope
             "olmoe/olmoe-q8_0.gguf",  # q/k norm over the whole projection
             "gptoss/gptoss-q8_0.gguf",  # sinks, sliding window, output and router biases
-            "deepseek/deepseek-q8_0.gguf"]  # interleaved rope, a leading dense layer, shared experts
+            "deepseek/deepseek-q8_0.gguf",  # interleaved rope, a leading dense layer, shared experts
+            "glm4moe/glm4moe-q4_k_m.gguf"]  # partial rotary, q width != hidden, biases, per-head q/k norm
 TOL = 1.5e-2  # rel-L2: int8 activations (~0.3% per product) through two products and a softmax
 
 
@@ -55,10 +56,10 @@ def reference(model, i: int, x: torch.Tensor, batch, pools_before: dict) -> tupl
         y = h @ f64(weight).T
         proj.append(y if bias is None else y + bias.double())
     q, k, v = proj
-    if att.spec.qk_norm == QK_NORM_FULL:
+    if att.spec.qk_norm == QK_NORM_FULL and w.q_norm is not None:  # none where optional and absent
         q, k = rms(q, w.q_norm, eps), rms(k, w.k_norm, eps)
     q, k, v = q.view(-1, H, Dk), k.view(-1, G, Dk), v.view(-1, G, Dv)
-    if att.spec.qk_norm == QK_NORM_PER_HEAD:
+    if att.spec.qk_norm == QK_NORM_PER_HEAD and w.q_norm is not None:
         q, k = rms(q, w.q_norm, eps), rms(k, w.k_norm, eps)
     cos, sin = (t.double() for t in att.rope.tables(batch.positions))  # [T, 1, dims], pair layout
     d = att.rope.dims

@@ -17,15 +17,18 @@ from splitmoe.attention_service.engine.tool_calls import (
     ToolFormat,
     deepseek,
     detect_tool_format,
+    glm45,
     hermes,
     kimi_k2,
     mistral,
+    string_parameters,
 )
 from splitmoe.attention_service.engine.tool_calls.base import Parsed, ToolCall, assemble, parse_whole
 from splitmoe.attention_service.engine.tool_calls.forced import NamedCall, RequiredCalls
 from splitmoe.modelfile.chat_template import ChatTemplate
 from tests.attention_service.test_reasoning import make_tokenizer
 from tests.modelfile.test_chat_template import QWEN3
+from tests.support.processes import REPO
 
 # Qwen's function-calling guide (qwen.readthedocs.io, "Function Calling", Hermes-style tool use):
 # the model's reply to "What's the temperature in San Francisco now? How about tomorrow?".
@@ -63,6 +66,12 @@ MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_tim
 HARMONY_DOCS = ('<|channel|>analysis<|message|>Need to use function get_current_weather.<|end|><|start|>assistant'
                 '<|channel|>commentary to=functions.get_current_weather <|constrain|>json<|message|>'
                 '{"location":"San Francisco"}<|call|>')
+# GLM-4.5's chat template (tests/data/chat_templates/glm45.jinja, zai-org/GLM-4.5), its rendering of
+# an assistant call; the template's own instructions to the model spell the same shape.
+GLM45_TEMPLATE = ('\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+                  '<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>')
+# GLM-4.7's template writes no newlines: '<tool_call>' + name, then each <arg_key>/<arg_value> pair.
+GLM47_TEMPLATE = '<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>'
 
 CASES = {  # id: (format, literal output, content, [(name, arguments)])
     "qwen-docs": ("hermes", QWEN_DOCS, "", [
@@ -80,6 +89,9 @@ CASES = {  # id: (format, literal output, content, [(name, arguments)])
         ("get_current_weather", {"location": "San Francisco, CA", "format": "celsius"})]),
     "mistral-v11": ("mistral", MISTRAL_V11, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     "harmony-docs": ("harmony", HARMONY_DOCS, "", [("get_current_weather", {"location": "San Francisco"})]),
+    "glm45-template": ("glm45", "I'll check." + GLM45_TEMPLATE, "I'll check.\n", [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]),
+    "glm47-template": ("glm45", GLM47_TEMPLATE, "", [("get_weather", {"city": "Paris"})]),
 }
 
 
@@ -145,9 +157,48 @@ def test_qwen3_template_rendering_of_a_call_parses_back():
     assert calls_of(parse_whole(FORMATS["hermes"][0](), reply)[1]) == [("get_weather", arguments)]
 
 
+GLM45 = (REPO / "tests" / "data" / "chat_templates" / "glm45.jinja").read_text()
+
+
+def test_glm45_template_rendering_of_calls_parses_back():
+    """Strings are written bare, everything else as JSON (the template's `tojson`); both come back."""
+    arguments = {"city": "K\u00f8benhavn", "days": [1, 2], "units": {"temp": "C"}, "hourly": True, "n": 3}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": arguments}},
+                    {"type": "function", "function": {"name": "get_time", "arguments": {}}}]}]
+    rendered = ChatTemplate(GLM45).render(messages, add_generation_prompt=False)
+    reply = rendered.split("<|assistant|>")[-1].removeprefix("\n<think></think>")
+    assert calls_of(parse_whole(FORMATS["glm45"][0](), reply)[1]) == [("get_weather", arguments), ("get_time", {})]
+
+
+def test_glm45_is_read_off_its_template_too():
+    assert detect_tool_format(make_tokenizer(), GLM45, None).name == "glm45"
+
+
+def test_glm45_string_parameters_stay_strings():
+    """A string that reads as JSON ("42", "true") is a string where the request's schema says so."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "n": {"type": "integer"}, "flag": {"type": "string"}}}}}]
+    calling = ToolCalling("auto", string_parameters=string_parameters(tools))
+    reply = "<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>42</arg_value>\n<arg_key>n</arg_key>\n" \
+            "<arg_value>42</arg_value>\n<arg_key>flag</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
+    parser = ToolFormat("glm45", {}).parser(calling)
+    assert calls_of(parse_whole(parser, reply)[1]) == [("f", {"code": "42", "n": 42, "flag": "true"})]
+    assert calls_of(parse_whole(FORMATS["glm45"][0](), reply)[1]) == [("f", {"code": 42, "n": 42, "flag": True})]
+    nan = "<tool_call>f<arg_key>x</arg_key><arg_value>NaN</arg_value></tool_call>"  # not JSON: a string
+    assert json.loads(parse_whole(FORMATS["glm45"][0](), nan)[1][0].arguments) == {"x": "NaN"}
+
+
+def test_a_glm45_reply_cut_short_keeps_its_complete_arguments():
+    text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>da"
+    assert calls_of(parse_whole(FORMATS["glm45"][0](), text)[1]) == [("get_weather", {"city": "Paris"})]
+
+
 def test_text_that_is_no_call_stays_content():
     for fmt, text in [("hermes", "a <tool_call> b"), ("hermes", "x <tool_cal"), ("deepseek", "plain"),
-                      ("kimi_k2", "plain <|tool"), ("mistral", "[TOOL"), ("harmony", "plain")]:
+                      ("kimi_k2", "plain <|tool"), ("mistral", "[TOOL"), ("harmony", "plain"),
+                      ("glm45", "a <tool_cal")]:
         content, calls = parse_whole(FORMATS[fmt][0](), text)
         assert (content, calls) == (text, []), fmt
 
@@ -172,6 +223,7 @@ def test_a_required_reply_is_its_array_of_calls():
     ((kimi_k2.SECTION_BEGIN, *kimi_k2.MARKERS[1:]), "kimi_k2"),
     (deepseek.MARKERS, "deepseek"),
     (mistral.MARKERS, "mistral"),
+    (glm45.MARKERS, "glm45"),  # <tool_call> among them, as in GLM's vocabulary: <arg_key> decides
     (hermes.MARKERS, "hermes"),
     ((), "hermes"),  # nothing recognised: the fallback
 ])

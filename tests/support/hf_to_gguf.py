@@ -8,6 +8,7 @@ runtime serves, so tests can make GGUFs of any size and config without llama.cpp
     GptOssForCausalLM   -> gpt-oss        DbrxForCausalLM     -> dbrx
     DeepseekV2ForCausalLM, DeepseekV3ForCausalLM -> deepseek2
     DeepseekForCausalLM (DeepSeek-MoE, a `Checkpoint`: transformers has no class) -> deepseek
+    Glm4MoeForCausalLM  -> glm4moe      Llama4ForCausalLM   -> llama4 (hf_to_gguf_glm_llama4.py)
 
 What the converter does, and this helper too (see ../shared/fixtures/README.md):
 * tensors keep torch order here; GGUFWriter lists the dims fastest-first;
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from tests.support import hf_to_gguf_glm_llama4 as more
+
 F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 
 ARCH_BY_CLASS = {
@@ -46,6 +49,8 @@ ARCH_BY_CLASS = {
     "DeepseekV3ForCausalLM": "deepseek2",
     "DbrxForCausalLM": "dbrx",
     "DeepseekForCausalLM": "deepseek",
+    "Glm4MoeForCausalLM": "glm4moe",  # hf_to_gguf_glm_llama4.py
+    "Llama4ForCausalLM": "llama4",
 }
 
 _FILE_TYPE = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -138,6 +143,8 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
         hp = _deepseek2_view(hp)
     if arch == "deepseek":
         hp = {**hp, "num_experts": hp["n_routed_experts"]}
+    if arch in ("glm4moe", "llama4"):
+        hp = (more.glm4moe_view if arch == "glm4moe" else more.llama4_view)(hp)
     # TextModel.set_gguf_parameters: the keys every architecture gets.
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
@@ -169,6 +176,10 @@ def _write_hparams(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any]) -> None:
         _write_deepseek2_hparams(w, hp)
     if arch == "deepseek":
         _write_deepseek_hparams(w, hp)
+    if arch == "glm4moe":
+        more.write_glm4moe_hparams(w, hp, rope)
+    if arch == "llama4":
+        more.write_llama4_hparams(w, hp)
 
 
 def _rope_parameters(hp: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +203,7 @@ def _write_rope_scaling(w: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
         w.add_rope_scaling_yarn_beta_slow(float(rope.get("beta_slow") or 1.0))
         if rope.get("attention_factor") is not None:
             w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
-    elif kind != "default":
+    elif kind not in ("default", "llama3"):  # llama3: the `rope_freqs` tensor, no keys
         raise ValueError(f"rope scaling {kind!r} is not supported by this helper")
 
 
@@ -273,6 +284,11 @@ def gguf_tensors(model: torch.nn.Module, per_expert_tensors: bool = False) -> di
     if arch == "deepseek":  # deepseek2's names, with Llama's q/k permutation for its MHA
         hp = hparams(model.config)
         return {name: _permute_for_interleaved_rope(name, t, hp) for name, t in deepseek2_tensors(model).items()}
+    if arch == "llama4":
+        hp = hparams(model.config)
+        return more.llama4_tensors(model, hp, _rope_parameters(hp), _gguf_name)
+    if arch == "glm4moe":
+        return more.glm4moe_tensors(_stack_experts(_split_state(model, hparams(model.config))), _gguf_name)
     hp = hparams(model.config)
     state = _stack_experts(_split_state(model, hp))
     out: dict[str, torch.Tensor] = {}

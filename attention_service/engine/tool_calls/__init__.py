@@ -1,7 +1,7 @@
 """Tool calls in the model's reply, parsed into OpenAI's `tool_calls` as the reply streams.
 
 One module per family's syntax (hermes.py: Qwen; deepseek.py: DeepSeek V3/R1/V3.1; kimi_k2.py;
-mistral.py; harmony.py: gpt-oss), chosen once per model from its vocabulary and chat template
+mistral.py; harmony.py: gpt-oss; glm45.py: GLM-4.5/4.6), chosen once per model from its vocabulary and chat template
 (`detect_tool_format`; `--tool-call-parser` overrides it), as vLLM's `--tool-call-parser` picks
 one, but automatically; forced.py reads replies that `tool_choice` forced into a JSON shape.
 `ToolCallText` runs a parser over the content a request releases (after reasoning is split off and
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from splitmoe.attention_service.engine.reasoning import HARMONY, OutputText, ReasoningFormat, TextDelta
-from splitmoe.attention_service.engine.tool_calls import deepseek, harmony, hermes, kimi_k2, mistral
+from splitmoe.attention_service.engine.tool_calls import deepseek, glm45, harmony, hermes, kimi_k2, mistral
 from splitmoe.attention_service.engine.tool_calls.base import ToolCallParser
 from splitmoe.attention_service.engine.tool_calls.forced import NamedCall, RequiredCalls
 from splitmoe.modelfile.tokenizer import Tokenizer
@@ -28,6 +28,7 @@ FORMATS: dict[str, tuple[Callable[[], ToolCallParser], tuple[str, ...]]] = {
     "kimi_k2": (kimi_k2.KimiK2Parser, kimi_k2.MARKERS),
     "mistral": (mistral.MistralParser, mistral.MARKERS),
     "harmony": (harmony.HarmonyToolParser, harmony.MARKERS),
+    "glm45": (glm45.Glm45Parser, glm45.MARKERS),
 }
 FALLBACK = "hermes"  # what ChatML-style models (and llama.cpp's generic fallback) mostly write
 # A format is recognised by a marker that is one token of the vocabulary (the first match wins).
@@ -35,6 +36,7 @@ _SIGNATURES = (
     ("kimi_k2", kimi_k2.SECTION_BEGIN),
     ("deepseek", deepseek.CALLS_BEGIN),
     ("mistral", mistral.TOOL_CALLS),
+    ("glm45", glm45.KEY_OPEN),  # before hermes: GLM's calls open with <tool_call> too
     ("hermes", hermes.OPEN),
 )
 AUTO, NAMED, REQUIRED = "auto", "named", "required"
@@ -46,6 +48,22 @@ class ToolCalling:
     mode: str                # AUTO: in the model's syntax | NAMED: all of it is `function`'s arguments | REQUIRED
     function: str = ""       # NAMED
     single: bool = False     # parallel_tool_calls false: the first call only
+    # (function, its string-typed parameters) of the request's tools: formats that write strings
+    # bare (glm45) read those as strings, whatever they look like
+    string_parameters: tuple[tuple[str, frozenset[str]], ...] = ()
+
+
+def string_parameters(tools: list) -> tuple[tuple[str, frozenset[str]], ...]:
+    """`ToolCalling.string_parameters` of OpenAI `tools` (malformed entries contribute nothing)."""
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        if isinstance(properties, dict) and isinstance(function.get("name"), str):
+            names = {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
+            out.append((function["name"], frozenset(names)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -58,14 +76,16 @@ class ToolFormat:
             return NamedCall(calling.function)
         if calling.mode == REQUIRED:
             return RequiredCalls()
+        if self.name == "glm45":  # its values carry no quotes: the schemas tell strings apart
+            return glm45.Glm45Parser(dict(calling.string_parameters))
         return FORMATS[self.name][0]()
 
 
 def detect_tool_format(tokenizer: Tokenizer, template_source: str, reasoning: ReasoningFormat | None,
                        override: str = "auto") -> ToolFormat | None:
     """The model's call syntax: `override` when it names one ("none": no parsing), else harmony for
-    gpt-oss, else the family whose marker is a token, else hermes when the template speaks of
-    <tool_call>, else hermes as a fallback."""
+    gpt-oss, else the family whose marker is a token, else glm45 or hermes when the template speaks
+    of <arg_key> or <tool_call>, else hermes as a fallback."""
     if override == "none":
         return None
     name = override if override != "auto" else _detect(tokenizer, template_source, reasoning)
@@ -79,6 +99,8 @@ def _detect(tokenizer: Tokenizer, template_source: str, reasoning: ReasoningForm
     for name, marker in _SIGNATURES:
         if marker in tokens:
             return name
+    if glm45.KEY_OPEN in template_source:
+        return "glm45"
     if hermes.OPEN in template_source:
         return "hermes"
     log.info("no tool-call syntax recognised in the vocabulary or chat template; reading calls as %s", FALLBACK)
