@@ -17,7 +17,6 @@ from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels import native
-from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantLinear
@@ -40,10 +39,8 @@ def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
               scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
-              first_position: int = 0, chunk_tokens: int = 0,
-              gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Causal attention of new queries over the context, computed in float32 (softmax always; the
-    probabilities times values product in bfloat16 where `gemm_dtype` says so: `grouped_attention`).
+              first_position: int = 0, chunk_tokens: int = 0) -> torch.Tensor:
+    """Causal attention of new queries over the context, computed in float32.
 
     q [T, H, D] at absolute `q_positions` [T]; k [C, G, D] and v [C, G, Dv] hold positions
     `first_position`..`first_position`+C-1. `window_tokens` > 0: each query sees only itself and
@@ -55,7 +52,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     """
     return grouped_attention(q, k.transpose(0, 1), v.transpose(0, 1), q_positions, scale,
                              window_tokens=window_tokens, sinks=sinks, first_position=first_position,
-                             chunk_tokens=chunk_tokens, gemm_dtype=gemm_dtype)
+                             chunk_tokens=chunk_tokens)
 
 
 def visible_from(position: int, window_tokens: int = 0, chunk_tokens: int = 0) -> int:
@@ -76,8 +73,7 @@ def host_positions(q_positions: torch.Tensor) -> list[int] | None:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                       scale: float, *, window_tokens: int = 0, sinks: torch.Tensor | None = None,
-                      first_position: int = 0, chunk_tokens: int = 0,
-                      gemm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      first_position: int = 0, chunk_tokens: int = 0) -> torch.Tensor:
     """`attention` with k [G, C, D] and v [G, C, Dv] in the KV cache's layout.
 
     Grouped query heads are never expanded: the R = H/G query heads of a kv head become R rows of
@@ -85,20 +81,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     that bound the score matrix. On the CPU each chunk multiplies only the keys some of its
     queries see (causal: none after its last query; sliding: none before its first one's window)
     and masks only where its queries disagree, so a decode step masks nothing. Float32 k/v are
-    read in place; others are converted once.
-
-    `gemm_dtype` bfloat16 (the fast mode's bfloat16 cache on a CPU with bfloat16 dot products): the
-    probabilities times values product takes bfloat16 operands, the cache's own dtype, as the
-    prompt's linears do (8x float32's rate here): probabilities lie in [0, 1], so rounding them
-    moves each by at most 2^-9 of itself. Scores stay float32: rounding them would move a score
-    by 2^-9 of its size, and trained models' scores reach tens (one flipped routing on DBRX's
-    fixture, measured).
+    read in place; others are converted once. (bfloat16 products, 2.3-2.7x faster here, were
+    tried: rounded scores flipped a routing on DBRX's fixture, rounded probabilities one on Llama
+    4's, past llama.cpp's own count: bench/RESULTS.md.)
     """
     T, H, D = q.shape
     G, C, Dv = k.shape[0], k.shape[1], v.shape[2]
     R = H // G
-    low = gemm_dtype == torch.bfloat16 and T > 1 and v.dtype == torch.bfloat16
-    kf, vf = k.float(), (v if low else v.float())
+    kf, vf = k.float(), v.float()
     qf = q.float() * scale
     if T == 1 and sinks is None and q_positions.device.type == "cpu":  # decode: a few calls
         if window_tokens or chunk_tokens:
@@ -108,7 +98,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         out = torch.bmm(probs, vf).view(1, H, Dv)
         return out if out.dtype == q.dtype else out.to(q.dtype)
     qf = qf.reshape(T, G, R, D).transpose(0, 1).reshape(G, T * R, D)
-    out = torch.empty(G, T * R, Dv, dtype=vf.dtype, device=q.device)
+    out = torch.empty(G, T * R, Dv, dtype=torch.float32, device=q.device)
     positions = host_positions(q_positions)
     sink = None if sinks is None else sinks.float().view(G, 1, R, 1)
     step = max(1, SCORES_PER_CHUNK // max(1, H * C))
@@ -145,7 +135,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
             top = torch.maximum(scores.amax(-1, keepdim=True), sink)
             probs = torch.exp(scores - top)
             probs /= probs.sum(-1, keepdim=True) + torch.exp(sink - top)
-        torch.bmm(probs.view(G, (t1 - t0) * R, hi - lo).to(vf.dtype), vf[:, lo:hi], out=out[:, rows])
+        torch.bmm(probs.view(G, (t1 - t0) * R, hi - lo), vf[:, lo:hi], out=out[:, rows])
     return out.view(G, T, R, Dv).transpose(0, 1).reshape(T, H, Dv).to(q.dtype)
 
 
@@ -287,7 +277,6 @@ class MultiHeadAttention:
             context = batch.chunked_attention_context(chunk) if chunk else batch.attention_context
             return decode_attention(context, q, pools["k"], pools["v"], self.scale, window_tokens=window, sinks=w.sinks)
         parts, one = [], len(batch.seqs) == 1
-        gemm = gemm_dtype() if kv.device.type == "cpu" else torch.float32
         for s in batch.seqs:
             first = _first_visible_position(s, window, chunk)
             # The whole context is the step's own tensor, so the cache recognises it across layers.
@@ -295,7 +284,7 @@ class MultiHeadAttention:
             parts.append(grouped_attention(q if one else q[s.start : s.end], ctx["k"], ctx["v"],
                                            batch.positions if one else batch.positions[s.start : s.end],
                                            self.scale, window_tokens=window, sinks=w.sinks, first_position=first,
-                                           chunk_tokens=chunk, gemm_dtype=gemm))
+                                           chunk_tokens=chunk))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
