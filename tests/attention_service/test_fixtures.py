@@ -7,7 +7,7 @@ import pytest
 from splitmoe.cli import main
 from tests.support.cpu_paths import PATHS, forced_path
 
-ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "dbrx", "deepseek"]
+ARCHS = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "dbrx", "deepseek", "glm4moe", "llama4"]
 QUANTS = ["q8_0", "q4_k_m"]
 # The exact-dequant reference of each quantized file: transformers on its dequantized weights, or
 # for deepseek (no transformers class) llama.cpp on an all-F32 copy of it.
@@ -15,7 +15,10 @@ EXACT = {"deepseek": "llamacpp_deq"}
 EXACT_F32 = {"deepseek": "llamacpp_f32"}  # and of its original weights
 # The families held to the per-position bound of issue 16. Of the older ones, qwen3moe's q8_0 file
 # has 2 such positions in bfloat16 where llama.cpp has 1; they keep the aggregate bound.
-PER_POSITION_ARCHS = ["dbrx", "deepseek"]
+PER_POSITION_ARCHS = ["dbrx", "deepseek", "glm4moe", "llama4"]
+# GLM-4.5's routed scale 2.5 amplifies routing near-ties (llama.cpp's own q8_0 run flips one of 78
+# positions): its whole-prompt rel-L2 is not a bound to hold, the per-position one is.
+AGGREGATE_ARCHS = [a for a in ARCHS if a != "glm4moe"]
 # Per-position rel-L2 above which a position moved as a flipped routing choice moves it.
 FLIPPED = 5e-2
 
@@ -77,7 +80,7 @@ def test_quantized_float32_matches_dequantized_transformers(fixtures_dir, tmp_pa
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", AGGREGATE_ARCHS)
 def test_bfloat16_close_to_dequantized_transformers(fixtures_dir, tmp_path, arch, quant, path):
     model = fixtures_dir / arch / f"{arch}-{quant}.gguf"
     with forced_path(path):

@@ -26,17 +26,15 @@ from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.modelfile.architectures import LLAMA4
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.attention_service.test_native_decode import checked_decode, decode
-from tests.support.cpu_paths import PATHS, forced_path
 from tests.support.expert_services import ExpertServices
-from tests.support.fixture_refs import assert_converter_matches_llama_cpp, assert_like_llama_cpp, fixture_logits
+from tests.support.fixture_refs import assert_converter_matches_llama_cpp
 from tests.support.gguf_edit import rewrite_gguf
 from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, splitmoe_logits, token_ids
-from tests.support.hf_to_gguf import F32, convert
+from tests.support.hf_to_gguf import convert
 from tests.support.processes import CLUSTER
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 ARCH = "llama4"
-QUANTS = ["q8_0", "q4_k_m"]
 
 
 # ---- the llama.cpp fixtures ------------------------------------------------------------------
@@ -47,42 +45,7 @@ def prompt_ids(fixtures_dir) -> list[list[int]]:
     return [p["ids"] for p in json.loads((fixtures_dir / "prompts.json").read_text())["prompts"]]
 
 
-def reference(fixtures_dir, name: str, prompt: int) -> np.ndarray:
-    return np.load(fixtures_dir / ARCH / "ref" / f"{name}_p{prompt}.npy")
-
-
-@pytest.mark.parametrize("quant", QUANTS)
-def test_float32_matches_transformers_on_dequantized_weights(fixtures_dir, prompt_ids, quant):
-    for i, got in enumerate(fixture_logits(fixtures_dir / ARCH / f"{ARCH}-{quant}.gguf", prompt_ids)):
-        assert max_abs(got, reference(fixtures_dir, f"hfdeq_{quant}", i)) <= 1e-4, f"prompt {i}"
-
-
-def test_float32_of_the_exact_file_matches_transformers(fixtures_dir, prompt_ids, tmp_path):
-    """No f32 GGUF is shipped: the checkpoint converted here (checked against llama.cpp's files below)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(fixtures_dir / ARCH / "hf", dtype=torch.float32)
-    path = convert(model, tmp_path / "f32.gguf", F32, tokenizer_from=fixtures_dir / ARCH / f"{ARCH}-q8_0.gguf")
-    for i, got in enumerate(fixture_logits(path, prompt_ids)):
-        assert max_abs(got, reference(fixtures_dir, "hf_float32", i)) <= 1e-4, f"prompt {i}"
-
-
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("quant", QUANTS)
-def test_bfloat16_like_llama_cpp(fixtures_dir, prompt_ids, quant, path):
-    with forced_path(path):
-        got = fixture_logits(fixtures_dir / ARCH / f"{ARCH}-{quant}.gguf", prompt_ids, "bfloat16")
-    assert_like_llama_cpp(fixtures_dir / ARCH, quant, got)
-
-
-@pytest.mark.parametrize("quant", QUANTS)
-def test_close_to_llama_cpp(fixtures_dir, prompt_ids, quant):
-    """llama.cpp quantizes activations inside its dot products: compare as the fixtures README says."""
-    got = np.concatenate(fixture_logits(fixtures_dir / ARCH / f"{ARCH}-{quant}.gguf", prompt_ids))
-    ref = np.concatenate([reference(fixtures_dir, f"llamacpp_{quant}", i) for i in range(2)])
-    per_position = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-    assert np.median(per_position) < 5e-2
-    assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.85
+# Logits against the references: tests/attention_service/test_fixtures.py, with the other families.
 
 
 def test_converter_matches_llama_cpp(fixtures_dir, tmp_path):
