@@ -26,8 +26,8 @@ from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.engine.tool_calls import ToolCalling
-from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.experts.placement import ExpertsUnavailable
+from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.experts import ExpertKey

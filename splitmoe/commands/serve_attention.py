@@ -31,10 +31,10 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                                      help="keep the hottest routed experts, by measured tokens per second, in this "
                                           "process: N (layer, expert) pairs, or SIZE of their weights (512M, 2G). "
                                           "The heat comes from --heat-file at start, then from the traffic at "
-                                          "each rebalance")),
+                                          "each rebalance (default: none)")),
     ("--heat-file", dict(default="", metavar="PATH",
                          help="the measured heat per (layer, expert): read at start (the first placement follows "
-                              "the previous run's traffic), written at every rebalance and at shutdown")),
+                              "the previous run's traffic), written at every rebalance and at shutdown (default: none)")),
     ("--heat-half-life-s", dict(type=float, default=60.0,
                                 help="half-life of the decayed tokens-per-second rate the placement follows")),
     ("--rebalance-spare-slots", dict(type=int, default=1, metavar="N",
