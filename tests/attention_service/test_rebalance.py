@@ -6,6 +6,7 @@ products per token (a + b == b + a): the logits must be bit-identical, not merel
 """
 import json
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -194,3 +195,19 @@ def test_rebalance_splits_a_hot_experts_tokens_between_its_replicas(services, de
     hops = {a: stats_after[a].num_hops - stats_before[a].num_hops for a in addresses}
     received = {a: stats_after[a].received_bytes - stats_before[a].received_bytes for a in addresses}
     assert set(hops.values()) == {1} and set(received.values()) == {10 * 64 * 4}  # 30 tokens, 10 each
+
+
+def test_auto_mode_rebalances_when_the_measured_imbalance_passes_its_threshold(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
+    addresses = [services.address(n) for n in ("r0", "r1", "r2")]
+    hidden, ids, weights = torch.randn(24, 64), torch.tensor([[0, 1]] * 24), torch.rand(24, 2)
+    with remote(g, *addresses, auto_rebalance_imbalance=1.2, auto_rebalance_interval_s=0.2) as backend:
+        expected = backend.forward(1, hidden, ids, weights)
+        deadline_s = time.monotonic() + 30
+        while min(len(backend.placement_view()[ExpertKey(1, e)]) for e in (0, 1)) < 3 and time.monotonic() < deadline_s:
+            for layer in (0, 1):  # all traffic on experts 0 and 1: two services busy, one idle
+                assert torch.equal(backend.forward(layer, hidden, ids, weights), expected) or layer == 0
+        view = backend.placement_view()
+        busiest, mean, num_calls = backend.imbalance_meter()
+    assert len(view[ExpertKey(1, 0)]) == len(view[ExpertKey(1, 1)]) == 3  # dealt over every service
+    assert num_calls == 0 or busiest / mean < 1.2  # measured anew since the switch
