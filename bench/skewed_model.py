@@ -2,9 +2,8 @@
 workload that placement by load is measured on (`python -m splitmoe.bench.skewed_model SRC DST`).
 
 Every token's embedding gets a constant in dimension 0, so the residual stream, and after the
-FFN norm the router's input, keep a component of one sign; each MoE layer's router then gains
-`strength` (signed as that layer's norm weight) on dimension 0 for its hot experts, a different
-few per layer. The rest of the file is copied as it is (the embedding becomes F32).
+FFN norm the router's input, keep a component of one sign; each MoE layer's router then raises its hot
+experts' logits by about `strength` (router logits are of order one), a different few per layer. The rest of the file is copied as it is (the embedding becomes F32).
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def hot_experts(num_layers: int, num_experts: int, per_layer: int, seed: int = 0
     return {layer: sorted(rng.choice(num_experts, per_layer, replace=False).tolist()) for layer in range(num_layers)}
 
 
-def write_skewed(src: str | os.PathLike, dst: str | os.PathLike, per_layer: int = 2, strength: float = 1.0,
+def write_skewed(src: str | os.PathLike, dst: str | os.PathLike, per_layer: int = 2, strength: float = 3.0,
                  constant: float = 4.0, seed: int = 0) -> dict[int, list[int]]:
     """Write the skewed copy; returns the hot experts of each layer."""
     r = GGUFReader(src)
@@ -52,7 +51,9 @@ def write_skewed(src: str | os.PathLike, dst: str | os.PathLike, per_layer: int 
             layer = int(m.group(1))
             norm = np.array(tensors[f"blk.{layer}.ffn_norm.weight"].data, dtype=np.float32)
             data = data.astype(np.float32)
-            data[hot[layer], 0] += strength * np.sign(norm[0] or 1.0)
+            # h[0] = norm[0] * x[0] / rms(x), with x[0] about `constant` and rms(x) about 1: the hot
+            # experts' logits rise by about `strength` (router logits are of order 1)
+            data[hot[layer], 0] += strength / (constant * (norm[0] if abs(norm[0]) > 1e-3 else 1e-3))
         w.add_tensor(t.name, data, raw_dtype=qtype)
     try:
         w.write_header_to_file()
@@ -70,7 +71,7 @@ def main() -> None:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--hot-per-layer", type=int, default=2)
-    p.add_argument("--strength", type=float, default=1.0)
+    p.add_argument("--strength", type=float, default=3.0)
     args = p.parse_args()
     print(write_skewed(args.src, args.dst, args.hot_per_layer, args.strength))
 

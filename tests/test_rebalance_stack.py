@@ -25,7 +25,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def skewed_gguf(demo_gguf, tmp_path_factory):
     path = tmp_path_factory.mktemp("skewed") / "skewed.gguf"
-    write_skewed(demo_gguf, path, per_layer=2, strength=1.0)
+    write_skewed(demo_gguf, path, per_layer=2, strength=4.0)
     return path
 
 

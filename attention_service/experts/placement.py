@@ -6,7 +6,7 @@ that came up empty, the coverage check, and per-layer owner tables for the curre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -108,19 +108,22 @@ def assign_empty_services(shards: Sequence[ServiceShard], layers: Sequence[int],
 class Placement:
     """(layer, expert) -> the services hosting it, for the layers computed remotely.
 
-    `split_tokens` (a placement by load): an expert's tokens are dealt between its healthy
-    replicas by token row; else each layer's replicas take turns by layer (identical replicas
-    share the layers)."""
+    `split_tokens` (a placement by load): in large layer calls an expert's tokens are dealt
+    between its healthy replicas by token row; in small ones (decode) each expert goes whole to
+    one replica, chosen to even the `load` the placement was planned for, since every replica
+    that gets a few rows reads the expert's whole weights for them. Without `split_tokens` each
+    layer's replicas take turns by layer (identical replicas share the layers)."""
 
     shards: tuple[ServiceShard, ...]
     layers: tuple[int, ...]
     num_experts: int
     replicas: Mapping[ExpertKey, tuple[int, ...]]
     split_tokens: bool = False
+    load: torch.Tensor | None = field(default=None, compare=False)  # [layer, expert]: what it was planned for
 
     @classmethod
     def build(cls, shards: Sequence[ServiceShard], layers: Sequence[int], num_experts: int,
-              split_tokens: bool = False) -> "Placement":
+              split_tokens: bool = False, load: torch.Tensor | None = None) -> "Placement":
         """The placement, or one line naming what no service hosts."""
         replicas: dict[ExpertKey, list[int]] = {}
         wanted = set(layers)
@@ -133,7 +136,8 @@ class Placement:
         if missing:
             raise ExpertsUnavailable(
                 f"no expert service hosts {format_keys(missing)}; services: {', '.join(s.label() for s in shards)}")
-        return cls(tuple(shards), tuple(layers), num_experts, {k: tuple(v) for k, v in replicas.items()}, split_tokens)
+        return cls(tuple(shards), tuple(layers), num_experts, {k: tuple(v) for k, v in replicas.items()}, split_tokens,
+                   load)
 
     def owners(self, layer: int, healthy: Sequence[bool]) -> torch.Tensor:
         """[num_experts] service index computing each expert of `layer` now (NO_OWNER: none healthy);
@@ -163,6 +167,21 @@ class Placement:
         for expert, services in enumerate(alive):
             if services:
                 table[:, expert] = torch.tensor([services[r % len(services)] for r in range(rows)])
+        return table
+
+    def whole_expert_owners(self, layer: int, healthy: Sequence[bool]) -> torch.Tensor | None:
+        """With `split_tokens`: [num_experts] one healthy replica per expert, heaviest experts first
+        each to the replica with the least planned load so far; None without."""
+        if not self.split_tokens:
+            return None
+        load = self.load[layer].tolist() if self.load is not None else [0.0] * self.num_experts
+        taken = [0.0] * len(self.shards)
+        table = torch.full((self.num_experts,), NO_OWNER, dtype=torch.int64)
+        for expert in sorted(range(self.num_experts), key=lambda e: (-load[e], e)):
+            alive = [i for i in self.replicas[ExpertKey(layer, expert)] if healthy[i]]
+            if alive:
+                table[expert] = owner = min(alive, key=lambda i: (taken[i], i))
+                taken[owner] += load[expert]
         return table
 
     def services_of(self, keys: Sequence[ExpertKey]) -> list[int]:

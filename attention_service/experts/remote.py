@@ -120,7 +120,7 @@ class RemoteExperts:
             targets = [ServiceShard.of_keys(address, keys)
                        for address, keys in zip(services.addresses, plan_by_load(
                            load, layers, services.num_services, self.settings.rebalance_spare_slots))]
-            placement = Placement.build(targets, layers, self._num_experts, split_tokens=True)
+            placement = Placement.build(targets, layers, self._num_experts, split_tokens=True, load=load)
             before, after = (imbalance(load, self._all_healthy_owners(p), layers, services.num_services)
                              for p in (services.placement, placement))
             hot_keys = hot.keys if hot is not None else ()
@@ -137,6 +137,16 @@ class RemoteExperts:
             log.info("rebalanced in %.2f s: %s; %d pairs loaded, %d kept in this process",
                      report.seconds, report.reason, num_loaded, len(hot_keys))
             return report
+
+    def placement_now(self) -> tuple[Placement, HotExperts | None]:
+        """The placement in use, to come back to with `restore_placement` (benchmarks compare
+        placements on one workload)."""
+        return self._services.placement, self._hot
+
+    def restore_placement(self, saved: tuple[Placement, HotExperts | None]) -> None:
+        placement, hot = saved
+        with self._rebalance_lock:
+            self._switch(list(placement.shards), placement, hot)
 
     def _switch(self, targets: list[ServiceShard], placement: Placement, hot: HotExperts | None) -> None:
         services = self._services

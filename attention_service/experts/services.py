@@ -49,6 +49,8 @@ class RemoteExpertsSettings(ConnectionSettings):
     heat_file: str = ""                        # heat read at start, written at each rebalance and at close
     heat_half_life_s: float = 60.0             # of the decayed token rate per (layer, expert)
     rebalance_spare_slots: int = 1             # per service and layer, beyond an even share: room for replicas
+    split_tokens_min_rows: int = 64            # from this many rows a call deals a replicated expert's tokens
+                                               # between its replicas; below, each expert goes whole to one
     auto_rebalance_imbalance: float = 0.0      # rebalance when measured max/mean tokens per service passes it (0: never)
     auto_rebalance_interval_s: float = 30.0    # how often the measured imbalance is checked
 
@@ -184,8 +186,10 @@ class ExpertServices:
         healthy = tuple(c.healthy for c in self._clients)
         table = self._owner_tables.get((layer, healthy))
         if table is None:  # once per layer and health state: a handful per run
-            owners = self.placement.owners(layer, healthy)
-            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(owners, len(self._clients))
+            placement = self.placement
+            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(
+                placement.owners(layer, healthy), len(self._clients), placement.whole_expert_owners(layer, healthy),
+                self.settings.split_tokens_min_rows)
         return table
 
     def _revive_for(self, layer: int, orphans: torch.Tensor) -> bool:

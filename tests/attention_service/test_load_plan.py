@@ -139,3 +139,18 @@ def test_auto_mode_rebalances_only_past_its_threshold_on_enough_calls():
         assert calls == [1]
     finally:
         auto.close()
+
+
+def test_small_calls_send_each_replicated_expert_whole_to_one_replica_evening_the_planned_load():
+    both = [ExpertKey(0, e) for e in range(4)]
+    load = torch.tensor([[10.0, 9.0, 1.0, 1.0]])
+    placement = Placement.build([ServiceShard.of_keys("a", both), ServiceShard.of_keys("b", both)], [0], 4,
+                                split_tokens=True, load=load)
+    assert placement.whole_expert_owners(0, [True, True]).tolist() == [0, 1, 1, 0]
+    assert placement.whole_expert_owners(0, [False, True]).tolist() == [1, 1, 1, 1]
+    table = OwnerTable.of(placement.owners(0, [True, True]), 2, placement.whole_expert_owners(0, [True, True]),
+                          split_min_rows=4)
+    few, _ = split_by_service(torch.tensor([[0, 1]] * 3), table)
+    many, _ = split_by_service(torch.tensor([[0, 1]] * 4), table)
+    assert {p.service: p.expert_ids.tolist() for p in few} == {0: [[0, -1]] * 3, 1: [[-1, 1]] * 3}
+    assert {p.service: p.rows.tolist() for p in many} == {0: [0, 2], 1: [1, 3]}  # dealt by row

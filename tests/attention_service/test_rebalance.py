@@ -180,21 +180,23 @@ def test_rebalance_while_decoding_changes_no_output_and_fails_nothing(services, 
     assert load_heat(heat_file, g.file_id, (NUM_LAYERS, NUM_EXPERTS)) is not None  # written at each rebalance
 
 
-def test_rebalance_splits_a_hot_experts_tokens_between_its_replicas(services, demo_gguf):
+def test_rebalance_splits_a_hot_experts_tokens_between_its_replicas_in_large_calls(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     addresses = [services.address(n) for n in ("r0", "r1", "r2")]
-    with remote(g, *addresses, transport="grpc") as backend:
+    with remote(g, *addresses, transport="grpc", split_tokens_min_rows=16) as backend:
         backend.heat.seed(skewed_rates(hot=(0,)))
         report = backend.rebalance()
         replicas = backend.placement_view()[ExpertKey(1, 0)]
-        stats_before = backend.stats()
-        ids = torch.tensor([[0, -1]] * 30)
-        backend.forward(1, torch.randn(30, 64), ids, torch.ones(30, 2))
-        stats_after = backend.stats()
+        stats = [backend.stats()]
+        for num_rows in (30, 8):  # a prefill-sized call, then a decode-sized one
+            ids = torch.tensor([[0, -1]] * num_rows)
+            backend.forward(1, torch.randn(num_rows, 64), ids, torch.ones(num_rows, 2))
+            stats.append(backend.stats())
     assert report.changed and len(replicas) == 3  # 3 services x 4 slots: expert 0 gets every spare
-    hops = {a: stats_after[a].num_hops - stats_before[a].num_hops for a in addresses}
-    received = {a: stats_after[a].received_bytes - stats_before[a].received_bytes for a in addresses}
-    assert set(hops.values()) == {1} and set(received.values()) == {10 * 64 * 4}  # 30 tokens, 10 each
+    for (before, after), hops, rows in zip(zip(stats, stats[1:]), ({1}, {0, 1}), ({10}, {0, 8})):
+        assert {after[a].num_hops - before[a].num_hops for a in addresses} == hops
+        assert {(after[a].received_bytes - before[a].received_bytes) // (64 * 4) for a in addresses} == rows
+    # 30 rows: dealt 10 to each replica; 8 rows: too few to split, the expert goes whole to one
 
 
 def test_auto_mode_rebalances_when_the_measured_imbalance_passes_its_threshold(services, demo_gguf):
