@@ -8,17 +8,21 @@ The model is `splitmoe bench make-model`'s (random weights, a real model's dimen
 `--layers` layers, a small vocabulary) made skewed by bench/skewed_model.py. The expert services
 are real `serve-experts` processes on loopback (each an even expert range at start, `--threads`
 threads each); the attention side runs in this process (bfloat16 fast path) so that the steps are
-timed without HTTP in between. Per configuration: prefill `--streams` prompts, warm up, time
-`--steps` decode steps (all streams together), rebalance, warm up, time again. Imbalance: max over
-mean routed tokens per expert service per layer call, measured on the timed steps (what the
-services were sent), and as the planner predicted it from the heat.
+timed without HTTP in between. Per service count: prefill `--streams` prompts, decode a few steps
+(the heat), rebalance; then the even placement and the placement by load are timed in turn,
+`--rounds` times each (`--steps` decode steps of all streams together, after two of warm-up), as
+the load of a shared machine drifts. Likewise the hottest experts kept in the attention process
+against none. Imbalance: max over mean routed tokens per expert service per layer call, measured
+on the timed steps (what the services were sent), and as the planner predicted it from the heat.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -88,15 +92,30 @@ def measured_imbalance(backend, earlier):
     return imbalance_between(earlier, backend.imbalance_meter())[0]
 
 
-def timed_phase(backend, runner, seqs, steps: int) -> dict:
+def timed_phase(backend, runner, seqs, steps: int) -> tuple[float, float]:
+    """(decode tok/s of every stream together, measured imbalance) over `steps` steps."""
     decode(runner, seqs, 2)  # warm-up: the new placement's pages, the kernels' buffers
     reading = backend.imbalance_meter()
     seconds = decode(runner, seqs, steps)
-    return {"tok_s": round(len(seqs) * steps / seconds, 1), "imbalance": round(measured_imbalance(backend, reading), 3)}
+    return len(seqs) * steps / seconds, measured_imbalance(backend, reading)
 
 
-def run_config(model: Path, addresses: list[str], args, token: str, local_by_heat: str = "",
-               heat_file: str = "", rebalance: bool = True) -> dict:
+def alternate(backend, runner, seqs, placements: dict, args) -> dict:
+    """Each placement in turn, `--rounds` times (the machine's load drifts: interleaving spreads
+    it over all of them); the median and every figure per placement."""
+    figures = {name: [] for name in placements}
+    for _ in range(args.rounds):
+        for name, saved in placements.items():
+            backend.restore_placement(saved)
+            figures[name].append(timed_phase(backend, runner, seqs, args.steps))
+    return {name: {"tok_s": round(statistics.median(f[0] for f in runs), 1),
+                   "imbalance": round(statistics.median(f[1] for f in runs), 3),
+                   "tok_s_each": [round(f[0], 1) for f in runs]} for name, runs in figures.items()}
+
+
+@contextlib.contextmanager
+def decoding(model: Path, addresses: list[str], args, token: str, local_by_heat: str = "", heat_file: str = ""):
+    """(the remote backend, a runner on it, `--streams` sequences prefilled)."""
     from splitmoe.attention_service.experts.load_plan import HeatBudget
     from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
@@ -109,7 +128,7 @@ def run_config(model: Path, addresses: list[str], args, token: str, local_by_hea
                                      local_by_heat=HeatBudget.parse(local_by_heat or "0"))
     backend = RemoteExperts(GGUFFile(model), settings)
     try:
-        tokens_per_seq = NUM_PROMPT_TOKENS + 2 * args.steps + 16
+        tokens_per_seq = NUM_PROMPT_TOKENS + (2 + args.steps) * args.rounds * 4 + 16
         runner = ModelRunner.from_gguf(model, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
                                                             kv_cache_tokens=args.streams * tokens_per_seq),
                                        experts=backend)
@@ -119,17 +138,32 @@ def run_config(model: Path, addresses: list[str], args, token: str, local_by_hea
         with torch.inference_mode():
             for seq, token in zip(seqs, runner.step(seqs).argmax(-1).tolist()):  # the prefill
                 seq.token_ids.append(token)
-            result = {"before": timed_phase(backend, runner, seqs, args.steps)}
-            if rebalance:
-                report = backend.rebalance()
-                result["rebalance"] = {"changed": report.changed, "predicted_before": round(report.imbalance_before, 3),
-                                       "predicted_after": round(report.imbalance_after, 3),
-                                       "pairs_loaded": report.num_loaded, "seconds": round(report.seconds, 2)}
-                result["after"] = timed_phase(backend, runner, seqs, args.steps)
-            result["local_pairs"] = sum(where == ("local",) for where in backend.placement_view().values())
-        return result
+            decode(runner, seqs, 4)  # the heat of the even placement, for the plan
+            yield backend, runner, seqs
     finally:
         backend.close()
+
+
+def measure_rebalance(model: Path, addresses: list[str], args, token: str, heat_file: str) -> dict:
+    with decoding(model, addresses, args, token, heat_file=heat_file) as (backend, runner, seqs):
+        even = backend.placement_now()
+        report = backend.rebalance()
+        by_load = backend.placement_now()
+        result = alternate(backend, runner, seqs, {"even": even, "by load": by_load}, args)
+    result["rebalance"] = {"changed": report.changed, "predicted_before": round(report.imbalance_before, 3),
+                           "predicted_after": round(report.imbalance_after, 3), "pairs_loaded": report.num_loaded,
+                           "seconds": round(report.seconds, 2)}
+    return result
+
+
+def measure_hot_local(model: Path, addresses: list[str], args, token: str, heat_file: str) -> dict:
+    with decoding(model, addresses, args, token, args.local_experts_by_heat, heat_file) as (backend, runner, seqs):
+        placement, hot = backend.placement_now()
+        result = alternate(backend, runner, seqs, {"all remote": (placement, None), "hottest local": (placement, hot)},
+                           args)
+    result["local_pairs"] = len(hot.keys) if hot is not None else 0
+    result["local_bytes"] = hot.num_bytes if hot is not None else 0
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="threads per expert service")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per phase")
+    p.add_argument("--rounds", type=int, default=3, help="times each placement is timed, interleaved")
     p.add_argument("--local-experts-by-heat", default="", help="also measure 2 services with this budget kept local")
     args = p.parse_args(argv)
     from splitmoe.runtime.settings import new_cluster_token
@@ -153,21 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     model = make_models(args)
     token = new_cluster_token()
     results = {"cpu": cpu_name(), "cpus": os.cpu_count(), "model": model.name, "streams": args.streams,
-               "steps": args.steps, "threads_per_service": args.threads, "configs": {}}
+               "steps": args.steps, "rounds": args.rounds, "threads_per_service": args.threads, "configs": {}}
     for num_services in (int(n) for n in args.services.split(",")):
         procs, addresses = start_services(model, num_services, args.threads, token, args.dir)
         try:
             heat_file = str(args.dir / f"heat-{num_services}.json")
             Path(heat_file).unlink(missing_ok=True)
-            results["configs"][f"{num_services} services"] = run_config(model, addresses, args, token, heat_file=heat_file)
-            print(json.dumps({f"{num_services} services": results["configs"][f"{num_services} services"]}), flush=True)
+            key = f"{num_services} services"
+            results["configs"][key] = measure_rebalance(model, addresses, args, token, heat_file)
+            print(json.dumps({key: results["configs"][key]}), flush=True)
             if args.local_experts_by_heat and num_services == 2:
-                for name, budget in (("all remote", ""), (f"hottest {args.local_experts_by_heat} local",
-                                                          args.local_experts_by_heat)):
-                    key = f"2 services, {name}"
-                    results["configs"][key] = run_config(model, addresses, args, token, budget, heat_file,
-                                                         rebalance=False)
-                    print(json.dumps({key: results["configs"][key]}), flush=True)
+                key = f"2 services, hottest {args.local_experts_by_heat} local"
+                results["configs"][key] = measure_hot_local(model, addresses, args, token, heat_file)
+                print(json.dumps({key: results["configs"][key]}), flush=True)
         finally:
             for proc in procs:
                 proc.terminate()
