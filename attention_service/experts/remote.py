@@ -62,18 +62,20 @@ class RemoteExperts:
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, repack_cache: RepackCache | None = None):
         self.settings = settings
         all_layers = moe_layers(g)
+        self._g, self._repack_cache = g, repack_cache
+        self._num_experts = expert_count(g)
+        self.heat = ExpertHeat(ModelConfig.from_gguf(g).num_layers, self._num_experts, settings.heat_half_life_s)
+        # read before connecting: a heat file of another model fails the start, and leaves nothing open
+        rates = load_heat(settings.heat_file, g.file_id, self.heat.shape) if settings.heat_file else None
         self._local_layers = frozenset(all_layers[:settings.local_layers])
         self._local = (ExpertShard(g, layers=sorted(self._local_layers), repack_cache=repack_cache)
                        if self._local_layers else None)
         self._services = ExpertServices(g, settings, [layer for layer in all_layers if layer not in self._local_layers])
         self._in_flight = InFlightCalls(self._services, self.max_in_flight)
-        self._g, self._repack_cache = g, repack_cache
-        self._num_experts = expert_count(g)
-        self.heat = ExpertHeat(ModelConfig.from_gguf(g).num_layers, self._num_experts, settings.heat_half_life_s)
         self._hot: HotExperts | None = None
         self._rebalance_lock = threading.Lock()
         self._expert_bytes: dict[int, int] = {}
-        if settings.heat_file and (rates := load_heat(settings.heat_file, g.file_id, self.heat.shape)) is not None:
+        if rates is not None:
             self.heat.seed(rates)  # the previous run's traffic decides what starts here
             self._hot = self._choose_hot(rates)
             if self._hot is not None:
@@ -217,8 +219,9 @@ class RemoteExperts:
     def close(self) -> None:
         if self._auto is not None:
             self._auto.close()
-        if self.heat.snapshot().tokens.any():
-            self._save_heat(self.heat.snapshot().tokens_per_s)
+        heat = self.heat.snapshot()
+        if heat.tokens.any():  # a run that served nothing keeps the file of the one before
+            self._save_heat(heat.tokens_per_s)
         self._services.close()
 
     def __enter__(self) -> "RemoteExperts":
