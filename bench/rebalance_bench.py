@@ -144,12 +144,19 @@ def decoding(model: Path, addresses: list[str], args, token: str, local_by_heat:
         backend.close()
 
 
+def busiest_share(tokens: torch.Tensor, num_busiest: int) -> float:
+    """The share of routed tokens that each layer's `num_busiest` busiest experts took (the skew)."""
+    used = tokens[tokens.sum(dim=1) > 0].double()
+    return round(float(used.topk(num_busiest, dim=1).values.sum() / used.sum()), 3)
+
+
 def measure_rebalance(model: Path, addresses: list[str], args, token: str, heat_file: str) -> dict:
     with decoding(model, addresses, args, token, heat_file=heat_file) as (backend, runner, seqs):
         even = backend.placement_now()
         report = backend.rebalance()
         by_load = backend.placement_now()
         result = alternate(backend, runner, seqs, {"even": even, "by load": by_load}, args)
+        result["busiest_share"] = busiest_share(backend.expert_heat().tokens, args.hot_per_layer)
     result["rebalance"] = {"changed": report.changed, "predicted_before": round(report.imbalance_before, 3),
                            "predicted_after": round(report.imbalance_after, 3), "pairs_loaded": report.num_loaded,
                            "seconds": round(report.seconds, 2)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import socket
 import threading
 import time
@@ -225,18 +226,18 @@ class ExpertServices:
 class ImbalanceMeter:
     """Measured imbalance of the traffic: per layer call, the busiest service's routed slots and
     the mean per service, each summed over calls (their ratio is what load_plan.imbalance
-    predicts). Sampled: one call in `every`, so that the data path pays a few microseconds per
-    step at most. Written by the data path, read by any thread (a torn read is one call off)."""
+    predicts). Sampled: a call in `every` at random (a fixed stride would see the same layers
+    every step), so that the data path pays a few microseconds per step at most. Written by the
+    data path, read by any thread (a torn read is one call off)."""
 
     def __init__(self, num_services: int, every: int = 4):
         self.num_services, self.every = num_services, every
-        self._tick = 0
+        self._random = random.Random(0)
         self._max = self._mean = 0.0
         self._num_calls = 0
 
     def add(self, parts: Sequence[ServicePart]) -> None:
-        self._tick += 1
-        if self._tick % self.every or not parts:
+        if not parts or self._random.random() * self.every >= 1.0:
             return
         slots = [int((p.expert_ids >= 0).sum()) for p in parts]
         total = sum(slots)
