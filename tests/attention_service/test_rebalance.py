@@ -203,7 +203,8 @@ def test_auto_mode_rebalances_when_the_measured_imbalance_passes_its_threshold(s
     g = GGUFFile(demo_gguf)
     addresses = [services.address(n) for n in ("r0", "r1", "r2")]
     hidden, ids, weights = torch.randn(24, 64), torch.tensor([[0, 1]] * 24), torch.rand(24, 2)
-    with remote(g, *addresses, auto_rebalance_imbalance=1.2, auto_rebalance_interval_s=0.2) as backend:
+    with remote(g, *addresses, auto_rebalance_imbalance=1.2, auto_rebalance_interval_s=0.2,
+                split_tokens_min_rows=16) as backend:  # 24-row calls: dealt between replicas
         expected = backend.forward(1, hidden, ids, weights)
         deadline_s = time.monotonic() + 30
         while min(len(backend.placement_view()[ExpertKey(1, e)]) for e in (0, 1)) < 3 and time.monotonic() < deadline_s:
