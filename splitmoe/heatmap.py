@@ -1,6 +1,6 @@
-"""`splitmoe heatmap`'s picture: the heat of every (layer, expert) beside where each is computed.
+"""`splitmoe heatmap`'s picture: the heat of every (layer, expert) above where each is computed.
 
-Left, tokens per second per expert (layers down, experts across). Right, the placement: each cell
+Top, tokens per second per expert (layers down, experts across). Below, the placement: each cell
 coloured by the expert service computing it (black: the attention process), replicated experts
 marked with their number of replicas. PNG or SVG, by the file's suffix.
 """
@@ -30,8 +30,8 @@ def draw_heatmap(rates: Sequence[Sequence[float]], placed_on: Mapping[tuple[int,
     for (layer, expert), where in placed_on.items():
         owner[layer, expert] = 0 if LOCAL in where else 1 + services.index(where[0])
     palette = ["black", *plt.get_cmap("tab10").colors[:max(len(services), 1)]]
-    width = min(4 + num_experts * 0.12, 24)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(2 * width, 1.5 + min(num_layers * 0.18, 14)), dpi=110)
+    panel_height = 1.2 + min(num_layers * 0.2, 9)
+    fig, (left, right) = plt.subplots(2, 1, figsize=(min(5 + num_experts * 0.1, 20), 2 * panel_height + 0.8), dpi=110)
     image = left.imshow(heat, aspect="auto", cmap="inferno", interpolation="nearest")
     fig.colorbar(image, ax=left, label="tokens per second (decayed)")
     left.set_title("heat")
