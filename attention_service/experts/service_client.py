@@ -306,7 +306,9 @@ class ExpertServiceClient:
 
     def _restore_shard(self) -> None:
         reported = self.describe(self.settings.connect_timeout_s)
-        if reported.is_empty and not self.shard.is_empty:
+        # A placement by load (by_layer) is this attention service's own: a restarted service
+        # comes back with its command line's shard, and is given the placement's again.
+        if not self.shard.is_empty and (reported.is_empty or self.shard.by_layer) and not reported.covers(self.shard):
             reported = self.load(self.shard)
         if not reported.covers(self.shard):
             raise ValueError(f"came back hosting {reported.label()}, expected {self.shard.label()}")

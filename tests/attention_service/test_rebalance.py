@@ -214,3 +214,23 @@ def test_auto_mode_rebalances_when_the_measured_imbalance_passes_its_threshold(s
         busiest, mean, num_calls = backend.imbalance_meter()
     assert len(view[ExpertKey(1, 0)]) == len(view[ExpertKey(1, 1)]) == 3  # dealt over every service
     assert num_calls == 0 or busiest / mean < 1.2  # measured anew since the switch
+
+
+def test_a_service_restarted_after_a_rebalance_is_given_its_new_shard_again(services, demo_gguf):
+    g = GGUFFile(demo_gguf)
+    addresses = [services.address(n) for n in ("r0", "r1", "r2")]
+    hidden, ids, weights = torch.randn(12, 64), torch.randint(0, 8, (12, 2)), torch.rand(12, 2)
+    with remote(g, *addresses, transport="grpc") as backend:
+        backend.heat.seed(skewed_rates(hot=(2, 3)))
+        assert backend.rebalance().changed
+        expected = backend.forward(1, hidden, ids, weights)
+        planned = backend._services._clients[1].shard
+        services.kill("r1")
+        services.restart("r1")  # comes back with its command line's shard, experts 4-7
+        deadline_s = time.monotonic() + 30
+        while not backend.health()[addresses[1]].healthy and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        reported = backend._services._clients[1].describe(5.0)
+        got = backend.forward(1, hidden, ids, weights)
+    assert planned.by_layer and reported.covers(planned)
+    assert torch.equal(got, expected)
