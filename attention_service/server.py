@@ -26,6 +26,7 @@ from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.engine.tool_calls import ToolCalling
+from splitmoe.attention_service.experts.backend import ExpertBackend
 from splitmoe.attention_service.experts.placement import ExpertsUnavailable
 from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
@@ -334,10 +335,10 @@ def _add_expert_stats(stats: pb.AttentionStats, model: ServingModel) -> None:
     _add_heat(stats, model.experts)
 
 
-def _add_heat(stats: pb.AttentionStats, experts) -> None:
+def _add_heat(stats: pb.AttentionStats, experts: ExpertBackend) -> None:
     """Every routed (layer, expert): its tokens, decayed rate and where it is computed now."""
     heat = experts.expert_heat()
-    view = experts.placement_view() if hasattr(experts, "placement_view") else {}
+    view = experts.placement_view()
     for layer, row in enumerate(heat.tokens_per_s.tolist()):
         tokens = heat.tokens[layer].tolist()
         for expert, rate in enumerate(row):
@@ -345,9 +346,8 @@ def _add_heat(stats: pb.AttentionStats, experts) -> None:
             if tokens[expert] or placed:
                 stats.expert_heat.add(layer=layer, expert=expert, tokens=tokens[expert], tokens_per_s=rate,
                                       placed_on=placed)
-    if hasattr(experts, "imbalance_meter"):
-        busiest, mean, _ = experts.imbalance_meter()
-        stats.expert_imbalance = busiest / mean if mean > 0 else 0.0
+    busiest, mean, _ = experts.imbalance_meter()
+    stats.expert_imbalance = busiest / mean if mean > 0 else 0.0
 
 
 def _rebalance(model: ServingModel, dry_run: bool) -> pb.RebalanceResponse:

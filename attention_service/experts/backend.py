@@ -52,6 +52,16 @@ class ExpertBackend(Protocol):
         """Tokens the router sent each (layer, expert), and their decayed rate (experts/heat.py)."""
         ...
 
+    def placement_view(self) -> dict[ExpertKey, tuple[str, ...]]:
+        """Where each (layer, expert) is computed now: service addresses, or ("local",); empty
+        when every expert is computed in this process."""
+        ...
+
+    def imbalance_meter(self) -> tuple[float, float, int]:
+        """(busiest services' routed tokens, mean per service, layer calls measured), summed since
+        the last rebalance; zeros without services."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -99,6 +109,12 @@ class InProcessExperts:
 
     def expert_heat(self) -> HeatSnapshot:
         return self.heat.snapshot()
+
+    def placement_view(self) -> dict[ExpertKey, tuple[str, ...]]:
+        return {}
+
+    def imbalance_meter(self) -> tuple[float, float, int]:
+        return 0.0, 0.0, 0
 
     def close(self) -> None:
         pass
