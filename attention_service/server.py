@@ -1,4 +1,4 @@
-"""The attention service's gRPC surface: Generate, Score, Tokenize, Detokenize, ModelInfo, GetStats and grpc.health.v1.
+"""The attention service's gRPC surface: Generate, Score, Tokenize, Detokenize, ModelInfo, GetStats, Rebalance and grpc.health.v1.
 
 The server answers at once and loads the model in the background: until it is ready, health is
 NOT_SERVING, ModelInfo says `ready: false` and other calls get UNAVAILABLE. Handlers convert
@@ -26,9 +26,12 @@ from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.engine.tool_calls import ToolCalling, string_parameters
+from splitmoe.attention_service.experts.backend import ExpertBackend
+from splitmoe.attention_service.experts.placement import ExpertsUnavailable
 from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
+from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
 from splitmoe.runtime.telemetry import extract_grpc_context, tracer
@@ -294,6 +297,16 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
                                     context_tokens=m.max_context_tokens, vocab_size=m.vocab_size, ready=True,
                                     dtype=dtype_name(m.runner.options.dtype), device=str(m.runner.options.device))
 
+    async def Rebalance(self, request: pb.RebalanceRequest, context) -> pb.RebalanceResponse:
+        m = await self._ready(context)
+        if not hasattr(m.experts, "rebalance"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no expert services: every expert runs in the attention process")
+        try:
+            return await asyncio.to_thread(_rebalance, m, request.dry_run)
+        except ExpertsUnavailable as e:  # the old placement keeps serving
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
     async def GetStats(self, request, context) -> pb.AttentionStats:
         m = await self._ready(context)
         running, waiting = m.engine.num_running_waiting()
@@ -320,6 +333,29 @@ def _add_expert_stats(stats: pb.AttentionStats, model: ServingModel) -> None:
                        overhead_us_mean=h.overhead_us_mean if h else 0.0, transport=health.transport)
     for key, tokens in sorted(model.experts.expert_token_counts().items()):
         stats.expert_tokens.add(layer=key.layer, expert=key.expert, tokens=tokens)
+    _add_heat(stats, model.experts)
+
+
+def _add_heat(stats: pb.AttentionStats, experts: ExpertBackend) -> None:
+    """Every routed (layer, expert): its tokens, decayed rate and where it is computed now."""
+    heat = experts.expert_heat()
+    view = experts.placement_view()
+    for layer, row in enumerate(heat.tokens_per_s.tolist()):
+        tokens = heat.tokens[layer].tolist()
+        for expert, rate in enumerate(row):
+            placed = view.get(ExpertKey(layer, expert), ("local",) if not view else ())
+            if tokens[expert] or placed:
+                stats.expert_heat.add(layer=layer, expert=expert, tokens=tokens[expert], tokens_per_s=rate,
+                                      placed_on=placed)
+    busiest, mean, _ = experts.imbalance_meter()
+    stats.expert_imbalance = busiest / mean if mean > 0 else 0.0
+
+
+def _rebalance(model: ServingModel, dry_run: bool) -> pb.RebalanceResponse:
+    report = model.experts.rebalance(dry_run=dry_run)
+    return pb.RebalanceResponse(changed=report.changed, imbalance_before=report.imbalance_before,
+                                imbalance_after=report.imbalance_after, num_local=report.num_hot,
+                                num_loaded=report.num_loaded, seconds=report.seconds, reason=report.reason)
 
 
 def _top(model: ServingModel, token_id: int, logprob: float) -> pb.TopLogprob:

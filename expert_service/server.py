@@ -44,7 +44,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
 
     def LoadShard(self, request: expert_pb2.LoadShardRequest, context) -> expert_pb2.ShardInfo:
         try:
-            described = self.hosted.load(request.layers, request.experts)
+            by_layer = {entry.layer: tuple(entry.experts) for entry in request.by_layer}
+            described = self.hosted.load(request.layers, request.experts, by_layer or None)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.info("loaded shard: %s; memory: %s", describe_shard(described), memory_line())
@@ -66,7 +67,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             model_name=str(g.get("general.name", model_stem(g.path))), arch=g.arch, file_id=self._file_id,
             layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
             num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads(),
-            doorbell=self.doorbell)
+            doorbell=self.doorbell,
+            by_layer=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in described.by_layer])
 
 
 def memory_line() -> str:
@@ -78,6 +80,9 @@ def memory_line() -> str:
 def describe_shard(described: ShardDescription) -> str:
     if not described.layers:
         return "no experts (waiting for LoadShard)"
+    num_pairs = sum(len(es) for _, es in described.by_layer)
+    if num_pairs != len(described.layers) * len(described.experts):  # a placement by load
+        return f"{num_pairs} (layer, expert) pairs over {format_ranges('layers', described.layers)}, {described.num_bytes} bytes"
     return (f"{format_ranges('layers', described.layers)}, {format_ranges('experts', described.experts)}, "
             f"{described.num_bytes} bytes")
 

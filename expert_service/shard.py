@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -38,8 +38,9 @@ _INT_DTYPES = (torch.int32, torch.int64)
 @dataclass(frozen=True, slots=True)
 class ShardDescription:
     layers: tuple[int, ...]
-    experts: tuple[int, ...]
+    experts: tuple[int, ...]    # the union over the layers
     num_bytes: int
+    by_layer: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (layer, its experts): exactly what is hosted
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +69,14 @@ class HostedShard:
 
     def describe(self) -> ShardDescription:
         shard = self._shard
-        return ShardDescription(tuple(shard.layers), tuple(shard.experts), shard.num_bytes)
+        return ShardDescription(tuple(shard.layers), tuple(shard.experts), shard.num_bytes,
+                                tuple(shard.by_layer.items()))
 
-    def load(self, layers: Iterable[int], experts: Iterable[int]) -> ShardDescription:
-        """Replace the hosted shard; requests already running finish on the old one."""
-        self._shard, self._hosted = self._build(layers, experts)
+    def load(self, layers: Iterable[int], experts: Iterable[int],
+             by_layer: Mapping[int, Iterable[int]] | None = None) -> ShardDescription:
+        """Replace the hosted shard (every expert of `experts` in every layer of `layers`, or
+        exactly `by_layer`'s pairs); requests already running finish on the old one."""
+        self._shard, self._hosted = self._build(layers, experts, by_layer)
         return self.describe()
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
@@ -97,8 +101,9 @@ class HostedShard:
         """Tokens routed to each hosted (layer, expert) since start."""
         shard = self._shard
         with self._lock:
-            return self._tokens.read(shard.layers, shard.experts,
-                                     None if self.native_hops is None else self.native_hops.tokens)
+            counts = self._tokens.read(shard.layers, shard.experts,
+                                       None if self.native_hops is None else self.native_hops.tokens)
+        return {key: n for key, n in counts.items() if shard.holds(key)}
 
     def totals(self) -> ShardTotals:
         with self._lock:
@@ -108,19 +113,24 @@ class HostedShard:
             requests, compute_s = requests + hops, compute_s + compute_ns * 1e-9
         return ShardTotals(requests, compute_s)
 
-    def _build(self, layers: Iterable[int] | None, experts: Iterable[int] | None) -> tuple[ExpertShard, torch.Tensor]:
-        layers = self.moe_layers if layers is None else tuple(sorted(set(layers)))
-        experts = tuple(range(self.num_experts)) if experts is None else tuple(sorted(set(experts)))
-        if not set(layers) <= set(self.moe_layers):
-            raise ValueError(f"layers {sorted(set(layers) - set(self.moe_layers))} have no routed experts "
+    def _build(self, layers: Iterable[int] | None, experts: Iterable[int] | None,
+               by_layer: Mapping[int, Iterable[int]] | None = None) -> tuple[ExpertShard, torch.Tensor]:
+        if not by_layer:
+            layers = self.moe_layers if layers is None else tuple(sorted(set(layers)))
+            experts = tuple(range(self.num_experts)) if experts is None else tuple(sorted(set(experts)))
+            by_layer = {layer: experts for layer in layers}
+        by_layer = {layer: tuple(sorted(set(es))) for layer, es in by_layer.items()}
+        if not set(by_layer) <= set(self.moe_layers):
+            raise ValueError(f"layers {sorted(set(by_layer) - set(self.moe_layers))} have no routed experts "
                              f"(MoE layers: {format_ranges('layers', self.moe_layers)})")
-        if any(not 0 <= e < self.num_experts for e in experts):
+        if any(not 0 <= e < self.num_experts for es in by_layer.values() for e in es):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
-        if not layers or not experts:
-            layers, experts = (), ()  # half-empty is empty: nothing to compute
-        hosted = torch.zeros(self.num_experts, dtype=torch.int64)
-        hosted[list(experts)] = 1
-        shard = ExpertShard(self.g, layers, experts, repack_cache=self.repack_cache)
+        by_layer = {layer: es for layer, es in by_layer.items() if es}  # half-empty is empty: nothing to compute
+        hosted = torch.zeros(len(self._tokens.table), self.num_experts, dtype=torch.int64)  # [layer, expert] 0/1
+        for layer, es in by_layer.items():
+            hosted[layer, list(es)] = 1
+        shard = ExpertShard(self.g, by_layer=by_layer, repack_cache=self.repack_cache)
+        layers = shard.layers
         fast = shard.prepare_fast() if self._prepare_fast and layers else {}
         if self.native_hops is not None:
             self.native_hops.set_layers(fast)
@@ -136,6 +146,6 @@ class HostedShard:
 
     def _count(self, layer: int, expert_ids: torch.Tensor, hosted: torch.Tensor, compute_s: float) -> None:
         with self._lock:
-            self._tokens.add(layer, expert_ids, hosted)
+            self._tokens.add(layer, expert_ids, hosted[layer])
             self._num_requests += 1
             self._compute_s += compute_s

@@ -17,6 +17,7 @@ import grpc
 
 from splitmoe.gateway.attention_types import (
     AttentionStats,
+    ExpertHeat,
     ExpertTokens,
     GenerateChunk,
     GenerateParams,
@@ -222,4 +223,6 @@ def model_info_of(info: pb.ModelInfoResponse) -> ModelInfo:
 
 def stats_of(s: pb.AttentionStats) -> AttentionStats:
     hops = tuple(_answer(HopStats, h, address=h.expert_address) for h in s.hops)
-    return _answer(AttentionStats, s, hops=hops, expert_tokens=tuple(_answer(ExpertTokens, e) for e in s.expert_tokens))
+    heat = tuple(_answer(ExpertHeat, e, placed_on=tuple(e.placed_on)) for e in s.expert_heat)
+    return _answer(AttentionStats, s, hops=hops, expert_tokens=tuple(_answer(ExpertTokens, e) for e in s.expert_tokens),
+                   expert_heat=heat)

@@ -173,6 +173,15 @@ class ExpertTokens:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertHeat:
+    layer: int
+    expert: int
+    tokens: int                   # routed to it since start, as the attention service counts
+    tokens_per_s: float           # decayed rate
+    placed_on: tuple[str, ...]    # expert service addresses computing it; "local": the attention process
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -184,3 +193,5 @@ class AttentionStats:
     expert_tokens: tuple[ExpertTokens, ...] = ()
     prefix_cache_queries: int = 0             # tokens of admitted requests
     prefix_cache_hits: int = 0                # of those, tokens found in the prefix cache
+    expert_heat: tuple[ExpertHeat, ...] = ()
+    expert_imbalance: float = 0.0             # max over mean tokens per expert service per layer call

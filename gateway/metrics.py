@@ -108,6 +108,25 @@ class StatsCollector(Collector):
         for count in s.expert_tokens:
             tokens.add_metric([str(count.layer), str(count.expert)], count.tokens)
         yield tokens
+        yield from _heat_families(s)
+
+
+def _heat_families(s: AttentionStats) -> Iterator[Metric]:
+    heat = GaugeMetricFamily("splitmoe:expert_heat_tokens_per_second",
+                             "Decayed rate of tokens the router sends each expert (what placement by load follows).",
+                             labels=["layer", "expert"])
+    replicas = GaugeMetricFamily("splitmoe:expert_replicas",
+                                 "Expert services computing each expert (0: the attention process computes it).",
+                                 labels=["layer", "expert"])
+    for e in s.expert_heat:
+        labels = [str(e.layer), str(e.expert)]
+        heat.add_metric(labels, e.tokens_per_s)
+        replicas.add_metric(labels, sum(where != "local" for where in e.placed_on))
+    yield heat
+    yield replicas
+    yield GaugeMetricFamily("splitmoe:expert_imbalance",
+                            "Max over mean tokens per expert service per layer call, since the last rebalance.",
+                            value=s.expert_imbalance)
 
 
 def _scheduler_families(s: AttentionStats) -> Iterator[Metric]:

@@ -145,10 +145,17 @@ class ExpertShard:
     """The (layer, expert) pairs one process hosts, and the expert FFN over them."""
 
     def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None, *,
-                 repack_cache: RepackCache | None = None):
-        self.layers = sorted(moe_layers(g) if layers is None else layers)
-        self.experts = sorted(range(expert_count(g)) if experts is None else experts)
-        self._ffns = {layer: load_layer_experts(g, layer, self.experts) for layer in self.layers}
+                 repack_cache: RepackCache | None = None, by_layer: Mapping[int, Iterable[int]] | None = None):
+        """Every one of `experts` in every one of `layers`; or, given `by_layer` (layer -> experts),
+        exactly those pairs: a placement by load hosts different experts in different layers."""
+        if by_layer is None:
+            layers = sorted(moe_layers(g) if layers is None else layers)
+            experts = sorted(range(expert_count(g)) if experts is None else experts)
+            by_layer = {layer: experts for layer in layers}
+        self.by_layer = {layer: tuple(sorted(set(es))) for layer, es in sorted(by_layer.items()) if es}
+        self.layers = list(self.by_layer)
+        self.experts = sorted({e for es in self.by_layer.values() for e in es})  # their union
+        self._ffns = {layer: load_layer_experts(g, layer, es) for layer, es in self.by_layer.items()}
         self._g, self.repack_cache = g, repack_cache
         self._fast: dict[int, ek.FastMoELayer] | None = None
         self._fast_lock = threading.Lock()
@@ -165,6 +172,9 @@ class ExpertShard:
                     self._fast = build_fast_layers(self._g, self._ffns, cache=self.repack_cache, progress=progress)
                 fast = self._fast
         return fast
+
+    def keys(self) -> list[ExpertKey]:
+        return [ExpertKey(layer, e) for layer, es in self.by_layer.items() for e in es]
 
     def holds(self, key: ExpertKey) -> bool:
         return key.layer in self._ffns and key.expert in self._ffns[key.layer]

@@ -325,7 +325,7 @@ class ExpertTokenCount(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class AttentionStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "expert_heat", "expert_imbalance")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +336,8 @@ class AttentionStats(_message.Message):
     EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_HEAT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -346,4 +348,44 @@ class AttentionStats(_message.Message):
     expert_tokens: _containers.RepeatedCompositeFieldContainer[ExpertTokenCount]
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    expert_heat: _containers.RepeatedCompositeFieldContainer[ExpertHeat]
+    expert_imbalance: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ...) -> None: ...
+
+class ExpertHeat(_message.Message):
+    __slots__ = ("layer", "expert", "tokens", "tokens_per_s", "placed_on")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PLACED_ON_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    tokens: int
+    tokens_per_s: float
+    placed_on: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., placed_on: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RebalanceRequest(_message.Message):
+    __slots__ = ("dry_run",)
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    dry_run: bool
+    def __init__(self, dry_run: _Optional[bool] = ...) -> None: ...
+
+class RebalanceResponse(_message.Message):
+    __slots__ = ("changed", "imbalance_before", "imbalance_after", "num_local", "num_loaded", "seconds", "reason")
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    imbalance_before: float
+    imbalance_after: float
+    num_local: int
+    num_loaded: int
+    seconds: float
+    reason: str
+    def __init__(self, changed: _Optional[bool] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., num_local: _Optional[int] = ..., num_loaded: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class AttentionServiceStub:
                 request_serializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStatsRequest.SerializeToString,
                 response_deserializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStats.FromString,
                 _registered_method=True)
+        self.Rebalance = channel.unary_unary(
+                '/splitmoe.v1.AttentionService/Rebalance',
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/splitmoe.v1.AttentionService/Tokenize',
                 request_serializer=splitmoe_dot_proto_dot_attention__pb2.TokenizeRequest.SerializeToString,
@@ -93,6 +98,13 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rebalance(self, request, context):
+        """Re-place the experts by their measured heat while serving (no request is dropped).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,6 +139,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStatsRequest.FromString,
                     response_serializer=splitmoe_dot_proto_dot_attention__pb2.AttentionStats.SerializeToString,
+            ),
+            'Rebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebalance,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -247,6 +264,33 @@ class AttentionService:
             '/splitmoe.v1.AttentionService/GetStats',
             splitmoe_dot_proto_dot_attention__pb2.AttentionStatsRequest.SerializeToString,
             splitmoe_dot_proto_dot_attention__pb2.AttentionStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitmoe.v1.AttentionService/Rebalance',
+            splitmoe_dot_proto_dot_attention__pb2.RebalanceRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.RebalanceResponse.FromString,
             options,
             channel_credentials,
             insecure,

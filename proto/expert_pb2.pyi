@@ -12,15 +12,25 @@ class DescribeShardRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadShardRequest(_message.Message):
-    __slots__ = ("layers", "experts")
+    __slots__ = ("layers", "experts", "by_layer")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
     experts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
+    by_layer: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., by_layer: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ...) -> None: ...
+
+class LayerExperts(_message.Message):
+    __slots__ = ("layer", "experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "file_id", "layers", "experts", "hidden_size", "num_bytes", "hostname", "num_threads", "doorbell")
+    __slots__ = ("model_name", "arch", "file_id", "layers", "experts", "hidden_size", "num_bytes", "hostname", "num_threads", "doorbell", "by_layer")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FILE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +41,7 @@ class ShardInfo(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     file_id: str
@@ -41,7 +52,8 @@ class ShardInfo(_message.Message):
     hostname: str
     num_threads: int
     doorbell: str
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ...) -> None: ...
+    by_layer: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ..., by_layer: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
     __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "trace_context")

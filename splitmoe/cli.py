@@ -23,6 +23,8 @@ COMMAND_MODULES = (
     "splitmoe.commands.healthcheck",
     "splitmoe.commands.cluster_token",
     "splitmoe.commands.bench",
+    "splitmoe.commands.rebalance",
+    "splitmoe.commands.heatmap",
 )
 
 

@@ -32,6 +32,7 @@ from splitmoe.local_stack import (
     gateway_spec,
     split_threads,
 )
+from splitmoe.runtime.settings import CLUSTER_TOKEN_ENV
 from splitmoe.supervisor import GrpcHealthProbe, ServiceFailed, ServiceSpec, Supervisor
 from tests.support.processes import free_port
 
@@ -338,6 +339,15 @@ def test_up_answers_the_demo_questions_and_sigterm_leaves_no_child(tmp_path):
             assert reply.json()["choices"][0]["message"]["content"] == answer, question
         services = json.loads((run_dir / "services.json").read_text())["services"]
         assert [s["name"] for s in services] == ["expert-0", "expert-1", "attention", "gateway"]
+        # with no address, rebalance and heatmap find this stack and its secret in the run directory
+        assert (run_dir / "cluster-token").stat().st_mode & 0o777 == 0o600
+        said = []
+        for command in (["rebalance", "--dry-run"], ["heatmap", str(tmp_path / "heat.png")]):
+            done = subprocess.run([sys.executable, "-m", "splitmoe", *command], cwd=REPO, capture_output=True,
+                                  text=True, timeout=60, env={k: v for k, v in env.items() if k != CLUSTER_TOKEN_ENV})
+            assert done.returncode == 0, done.stdout + done.stderr
+            said.append(done.stdout)
+        assert "would rebalance" in said[0] and (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
         up.send_signal(signal.SIGTERM)
         assert up.wait(30) == 0
         assert wait_gone([s["pid"] for s in services], 1.0) == []

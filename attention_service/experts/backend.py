@@ -13,9 +13,10 @@ from typing import Protocol
 
 import torch
 
+from splitmoe.attention_service.experts.heat import ExpertHeat, HeatSnapshot
 from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, ExpertTokenCounts, expert_count
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 
@@ -47,6 +48,20 @@ class ExpertBackend(Protocol):
     def expert_token_counts(self) -> dict[ExpertKey, int]:
         ...
 
+    def expert_heat(self) -> "HeatSnapshot":
+        """Tokens the router sent each (layer, expert), and their decayed rate (experts/heat.py)."""
+        ...
+
+    def placement_view(self) -> dict[ExpertKey, tuple[str, ...]]:
+        """Where each (layer, expert) is computed now: service addresses, or ("local",); empty
+        when every expert is computed in this process."""
+        ...
+
+    def imbalance_meter(self) -> tuple[float, float, int]:
+        """(busiest services' routed tokens, mean per service, layer calls measured), summed since
+        the last rebalance; zeros without services."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -68,13 +83,13 @@ class InProcessExperts:
 
     def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None):
         self.shard = ExpertShard(g, repack_cache=repack_cache)
-        self._counts = ExpertTokenCounts(max(self.shard.layers, default=-1) + 1, expert_count(g))
+        self.heat = ExpertHeat(max(self.shard.layers, default=-1) + 1, expert_count(g))
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                 expert_weights: torch.Tensor) -> torch.Tensor:
         ids = expert_ids.cpu()
         out = self.shard.forward(layer, hidden.cpu(), ids, expert_weights.cpu())
-        self._counts.add(layer, ids)
+        self.heat.add(layer, ids)
         return out.to(hidden.device)
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
@@ -88,8 +103,18 @@ class InProcessExperts:
         return {}
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
-        counts = self._counts.read(self.shard.layers, self.shard.experts)
-        return {key: n for key, n in counts.items() if n}
+        tokens = self.heat.snapshot().tokens
+        return {ExpertKey(layer, expert): int(tokens[layer, expert])
+                for layer, expert in tokens.nonzero().tolist() if self.shard.holds(ExpertKey(layer, expert))}
+
+    def expert_heat(self) -> HeatSnapshot:
+        return self.heat.snapshot()
+
+    def placement_view(self) -> dict[ExpertKey, tuple[str, ...]]:
+        return {}
+
+    def imbalance_meter(self) -> tuple[float, float, int]:
+        return 0.0, 0.0, 0
 
     def close(self) -> None:
         pass

@@ -8,8 +8,9 @@ further one first collects the oldest.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,6 +39,15 @@ class InFlightCalls:
             self._calls.append(call)
             call.send_locked(expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu())
         return call
+
+    @contextlib.contextmanager
+    def drained(self) -> Iterator[None]:
+        """Hold the data path with no call in flight (each collected now; its waiter gets the
+        result): between two layer calls, where the placement may change."""
+        with self._lock:
+            while self._calls:
+                self._collect_locked(self._calls[0])
+            yield
 
     def collect(self, call: "LayerCall") -> None:
         with self._lock:

@@ -5,22 +5,53 @@ and failover), sends each service its part over a persistent link (gRPC bytes, o
 on one host), and sums the parts in float32 (experts/layer_call.py). A dead service's part is
 retried on a replica; with none left the call raises `ExpertsUnavailable` instead of hanging. Two
 layer calls may be in flight at once (the transformer's two micro-batches: attention of one runs
-while the experts of the other do). The first `local_layers` MoE layers run in this process.
+while the experts of the other do). The first `local_layers` MoE layers run in this process, and
+so do the hot experts (`local_by_heat`: experts/hot.py).
+
+Every layer call's routing is counted (experts/heat.py). `rebalance` moves the experts while
+serving: from the heat it plans which experts stay here and which service hosts (and replicates)
+which (experts/load_plan.py); the services load their new pairs beside the old, the placement
+switches between two layer calls, then the old pairs are released. No call is dropped: each runs
+entirely on one placement, whose experts stay loaded until it is done.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
 import torch
 
+from splitmoe.attention_service.experts.auto_rebalance import AutoRebalancer
 from splitmoe.attention_service.experts.backend import ExpertsHandle, HopStats, Ready, ServiceHealth
+from splitmoe.attention_service.experts.heat import ExpertHeat, HeatSnapshot, load_heat, save_heat
+from splitmoe.attention_service.experts.hot import HotExperts, PlusLocal
 from splitmoe.attention_service.experts.layer_call import InFlightCalls
-from splitmoe.attention_service.experts.placement import ExpertsUnavailable
+from splitmoe.attention_service.experts.load_plan import choose_hot, imbalance, plan_by_load
+from splitmoe.attention_service.experts.placement import ExpertsUnavailable, Placement, ServiceShard
 from splitmoe.attention_service.experts.service_client import ExpertRequestError
 from splitmoe.attention_service.experts.services import ExpertServices, RemoteExpertsSettings
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, moe_layers
+from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, load_layer_experts, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
+from splitmoe.modelfile.hparams import ModelConfig
 
-__all__ = ["RemoteExperts", "RemoteExpertsSettings", "ExpertsUnavailable", "ExpertRequestError"]
+__all__ = ["RemoteExperts", "RemoteExpertsSettings", "ExpertsUnavailable", "ExpertRequestError", "RebalanceReport"]
+log = logging.getLogger(__name__)
+MIN_GAIN = 0.02  # a new placement must cut the predicted imbalance by 2% to be worth moving experts
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceReport:
+    changed: bool
+    imbalance_before: float   # predicted from the heat: max over mean tokens per service, on the old placement
+    imbalance_after: float    # the same, on the new one
+    num_hot: int              # (layer, expert) pairs now computed in this process
+    num_loaded: int           # pairs a service loaded that it did not host before
+    seconds: float
+    reason: str
 
 
 class RemoteExperts:
@@ -31,11 +62,28 @@ class RemoteExperts:
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, repack_cache: RepackCache | None = None):
         self.settings = settings
         all_layers = moe_layers(g)
+        self._g, self._repack_cache = g, repack_cache
+        self._num_experts = expert_count(g)
+        self.heat = ExpertHeat(ModelConfig.from_gguf(g).num_layers, self._num_experts, settings.heat_half_life_s)
+        # read before connecting: a heat file of another model fails the start, and leaves nothing open
+        rates = load_heat(settings.heat_file, g.file_id, self.heat.shape) if settings.heat_file else None
         self._local_layers = frozenset(all_layers[:settings.local_layers])
         self._local = (ExpertShard(g, layers=sorted(self._local_layers), repack_cache=repack_cache)
                        if self._local_layers else None)
         self._services = ExpertServices(g, settings, [layer for layer in all_layers if layer not in self._local_layers])
         self._in_flight = InFlightCalls(self._services, self.max_in_flight)
+        self._hot: HotExperts | None = None
+        self._rebalance_lock = threading.Lock()
+        self._expert_bytes: dict[int, int] = {}
+        if rates is not None:
+            self.heat.seed(rates)  # the previous run's traffic decides what starts here
+            self._hot = self._choose_hot(rates)
+            if self._hot is not None:
+                log.info("hot experts kept in this process (from %s): %d pairs, %d bytes",
+                         settings.heat_file, len(self._hot.keys), self._hot.num_bytes)
+        self._auto = (AutoRebalancer(self._services.meter.read, self.rebalance, settings.auto_rebalance_imbalance,
+                                     settings.auto_rebalance_interval_s)
+                      if settings.auto_rebalance_imbalance else None)
 
     # ---- ExpertBackend --------------------------------------------------------------------------
 
@@ -47,10 +95,111 @@ class RemoteExperts:
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                expert_weights: torch.Tensor) -> ExpertsHandle:
         """Send the layer's parts now; the handle's `wait()` collects them (see ExpertBackend)."""
+        ids = expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu()
+        self.heat.add(layer, ids)
         if layer in self._local_layers:
-            return Ready(self._local.forward(layer, hidden.cpu(), expert_ids.cpu(),
-                                             expert_weights.cpu()).to(hidden.device))
-        return self._in_flight.submit(layer, hidden, expert_ids, expert_weights)
+            return Ready(self._local.forward(layer, hidden.cpu(), ids, expert_weights.cpu()).to(hidden.device))
+        hot = self._hot  # read once: a rebalance replaces it whole
+        if hot is None or not hot.has_layer(layer):
+            return self._in_flight.submit(layer, hidden, ids, expert_weights)
+        here, there = hot.split(layer, ids)
+        handle = self._in_flight.submit(layer, hidden, there, expert_weights)  # the services start first
+        return PlusLocal(handle, hot.forward(layer, hidden.cpu(), here, expert_weights.cpu()))
+
+    # ---- placement by load ----------------------------------------------------------------------
+
+    def rebalance(self, dry_run: bool = False) -> RebalanceReport:
+        """Re-place the experts by their measured heat (see the module docstring); `dry_run`:
+        only report what the new placement would change."""
+        with self._rebalance_lock:
+            start_s = time.perf_counter()
+            rates = self.heat.snapshot().tokens_per_s
+            hot = self._choose_hot(rates)
+            load = rates.clone()
+            for key in (hot.keys if hot is not None else ()):
+                load[key] = 0.0  # computed here: no service's load
+            services, layers = self._services, self._services.placement.layers
+            targets = [ServiceShard.of_keys(address, keys)
+                       for address, keys in zip(services.addresses, plan_by_load(
+                           load, layers, services.num_services, self.settings.rebalance_spare_slots))]
+            placement = Placement.build(targets, layers, self._num_experts, split_tokens=True, load=load)
+            before, after = (imbalance(load, self._all_healthy_owners(p), layers, services.num_services)
+                             for p in (services.placement, placement))
+            hot_keys = hot.keys if hot is not None else ()
+            same_hot = hot_keys == (self._hot.keys if self._hot is not None else ())
+            num_loaded = sum(len(set(t.keys()) - set(old.keys())) for t, old in zip(targets, services.placement.shards))
+            report = RebalanceReport(False, before, after, len(hot_keys), num_loaded, 0.0, "")
+            if dry_run or (after > before * (1 - MIN_GAIN) and same_hot):
+                why = "dry run" if dry_run else f"no gain: imbalance {before:.3f} -> {after:.3f}"
+                return dataclasses.replace(report, seconds=time.perf_counter() - start_s, reason=why)
+            self._switch(targets, placement, hot)
+            self._save_heat(rates)
+            report = dataclasses.replace(report, changed=True, seconds=time.perf_counter() - start_s,
+                                         reason=f"imbalance {before:.3f} -> {after:.3f}")
+            log.info("rebalanced in %.2f s: %s; %d pairs loaded, %d kept in this process",
+                     report.seconds, report.reason, num_loaded, len(hot_keys))
+            return report
+
+    def placement_now(self) -> tuple[Placement, HotExperts | None]:
+        """The placement in use, to come back to with `restore_placement` (benchmarks compare
+        placements on one workload)."""
+        return self._services.placement, self._hot
+
+    def restore_placement(self, saved: tuple[Placement, HotExperts | None]) -> None:
+        placement, hot = saved
+        with self._rebalance_lock:
+            self._switch(list(placement.shards), placement, hot)
+
+    def _switch(self, targets: list[ServiceShard], placement: Placement, hot: HotExperts | None) -> None:
+        services = self._services
+        services.load_beside(targets)
+        with self._in_flight.drained():  # between two layer calls: nothing planned on the old one is in flight
+            services.switch_to(placement)
+            services.meter.reset()
+            self._hot = hot
+        services.release_old(targets)
+
+    def _choose_hot(self, rates: torch.Tensor) -> HotExperts | None:
+        budget = self.settings.local_by_heat
+        layers = [layer for layer in self._services.placement.layers]
+        keys = choose_hot(rates, layers, budget, self._bytes_of_expert) if budget else []
+        if not keys:
+            return None
+        if self._hot is not None and self._hot.keys == tuple(sorted(keys)):
+            return self._hot
+        return HotExperts(self._g, keys, *self.heat.shape, self._repack_cache, prepare_fast=True)
+
+    def _bytes_of_expert(self, layer: int) -> int:
+        if layer not in self._expert_bytes:  # views of the mmap: nothing read
+            self._expert_bytes[layer] = load_layer_experts(self._g, layer, [0])[0].num_bytes
+        return self._expert_bytes[layer]
+
+    @staticmethod
+    def _all_healthy_owners(placement: Placement):
+        healthy = [True] * len(placement.shards)
+        return lambda layer: placement.owners(layer, healthy)
+
+    def _save_heat(self, rates: torch.Tensor) -> None:
+        if self.settings.heat_file:
+            try:
+                save_heat(self.settings.heat_file, self._g.file_id, rates)
+            except OSError as e:
+                log.warning("heat file %s not written: %s", self.settings.heat_file, e)
+
+    def imbalance_meter(self) -> tuple[float, float, int]:
+        """The traffic's measured imbalance since the last rebalance (services.ImbalanceMeter.read)."""
+        return self._services.meter.read()
+
+    def placement_view(self) -> dict[ExpertKey, tuple[str, ...]]:
+        """Where each remote (layer, expert) is computed now: service addresses, or "local"."""
+        placement, hot = self._services.placement, self._hot
+        addresses = self._services.addresses
+        view = {key: tuple(addresses[i] for i in services) for key, services in placement.replicas.items()}
+        for key in (hot.keys if hot is not None else ()):
+            view[key] = ("local",)
+        for layer in self._local_layers:
+            view.update({ExpertKey(layer, e): ("local",) for e in range(self._num_experts)})
+        return view
 
     # ---- what the attention service publishes ----------------------------------------------------
 
@@ -64,7 +213,15 @@ class RemoteExperts:
         """Tokens each (layer, expert) computed, summed over the healthy services (GetStats)."""
         return self._services.expert_token_counts()
 
+    def expert_heat(self) -> HeatSnapshot:
+        return self.heat.snapshot()
+
     def close(self) -> None:
+        if self._auto is not None:
+            self._auto.close()
+        heat = self.heat.snapshot()
+        if heat.tokens.any():  # a run that served nothing keeps the file of the one before
+            self._save_heat(heat.tokens_per_s)
         self._services.close()
 
     def __enter__(self) -> "RemoteExperts":

@@ -100,7 +100,17 @@ class ConnectionSettings:
 
 
 def shard_from_info(address: str, info: expert_pb2.ShardInfo) -> ServiceShard:
+    if info.by_layer:  # exactly what it hosts (services of older versions send only the rectangle)
+        keys = (ExpertKey(entry.layer, e) for entry in info.by_layer for e in entry.experts)
+        return ServiceShard.of_keys(address, keys, info.hostname, info.num_bytes)
     return ServiceShard(address, tuple(info.layers), tuple(info.experts), info.hostname, info.num_bytes)
+
+
+def load_shard_request(shard: ServiceShard) -> expert_pb2.LoadShardRequest:
+    if not shard.by_layer:
+        return expert_pb2.LoadShardRequest(layers=shard.layers, experts=shard.experts)
+    return expert_pb2.LoadShardRequest(
+        by_layer=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in shard.by_layer])
 
 
 # ---- one service -------------------------------------------------------------------------------
@@ -158,8 +168,11 @@ class ExpertServiceClient:
         return shard_from_info(self.address, info)
 
     def load_shard(self, layers: tuple[int, ...], experts: tuple[int, ...]) -> ServiceShard:
-        info = self._conn.stub.LoadShard(expert_pb2.LoadShardRequest(layers=layers, experts=experts),
-                                         timeout=self.settings.expert_timeout_s)
+        return self.load(ServiceShard(self.address, layers, experts))
+
+    def load(self, shard: ServiceShard) -> ServiceShard:
+        """LoadShard: make the service host exactly `shard`'s pairs; what it reports hosting."""
+        info = self._conn.stub.LoadShard(load_shard_request(shard), timeout=self.settings.expert_timeout_s)
         self.info = info
         return shard_from_info(self.address, info)
 
@@ -293,8 +306,10 @@ class ExpertServiceClient:
 
     def _restore_shard(self) -> None:
         reported = self.describe(self.settings.connect_timeout_s)
-        if reported.is_empty and not self.shard.is_empty:
-            reported = self.load_shard(self.shard.layers, self.shard.experts)
+        # A placement by load (by_layer) is this attention service's own: a restarted service
+        # comes back with its command line's shard, and is given the placement's again.
+        if not self.shard.is_empty and (reported.is_empty or self.shard.by_layer) and not reported.covers(self.shard):
+            reported = self.load(self.shard)
         if not reported.covers(self.shard):
             raise ValueError(f"came back hosting {reported.label()}, expected {self.shard.label()}")
 

@@ -9,7 +9,9 @@ shards.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ import grpc
 import torch
 
 from splitmoe.attention_service.experts.backend import HopStats, ServiceHealth
+from splitmoe.attention_service.experts.load_plan import HeatBudget
 from splitmoe.attention_service.experts.placement import (
     ExpertsUnavailable,
     Placement,
@@ -43,6 +46,14 @@ class RemoteExpertsSettings(ConnectionSettings):
     reconnect_interval_s: float = 1.0          # how often unhealthy services are retried, healthy ones' shards checked
     startup_wait_s: float = 60.0               # how long startup waits for services to come up
     local_layers: int = 0                      # the first N MoE layers' experts run in-process (--n-cpu-moe)
+    local_by_heat: HeatBudget = HeatBudget()   # the hottest experts (by measured rate) run in-process
+    heat_file: str = ""                        # heat read at start, written at each rebalance and at close
+    heat_half_life_s: float = 60.0             # of the decayed token rate per (layer, expert)
+    rebalance_spare_slots: int = 1             # per service and layer, beyond an even share: room for replicas
+    split_tokens_min_rows: int = 64            # from this many rows a call deals a replicated expert's tokens
+                                               # between its replicas; below, each expert goes whole to one
+    auto_rebalance_imbalance: float = 0.0      # rebalance when measured max/mean tokens per service passes it (0: never)
+    auto_rebalance_interval_s: float = 30.0    # how often the measured imbalance is checked
 
     def __post_init__(self) -> None:
         super(RemoteExpertsSettings, self).__post_init__()
@@ -52,6 +63,11 @@ class RemoteExpertsSettings(ConnectionSettings):
             raise ValueError("the reconnect interval must be positive")
         if self.local_layers < 0:
             raise ValueError(f"local_layers {self.local_layers}: must be >= 0")
+        if self.rebalance_spare_slots < 0 or self.auto_rebalance_interval_s <= 0 or self.heat_half_life_s <= 0:
+            raise ValueError("rebalance spare slots must be >= 0, intervals and half-lives positive")
+        if self.auto_rebalance_imbalance and self.auto_rebalance_imbalance <= 1.0:
+            raise ValueError(f"auto-rebalance threshold {self.auto_rebalance_imbalance}: max over mean is >= 1, "
+                             "want e.g. 1.3 (or 0: off)")
         if len(set(self.addresses)) != len(self.addresses):
             raise ValueError(f"expert service addresses repeat: {', '.join(self.addresses)}")
 
@@ -67,6 +83,7 @@ class ExpertServices:
         self._clients = [ExpertServiceClient(address, settings, server_name=host)
                          for address, host in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
+        self.meter = ImbalanceMeter(len(self._clients))
         self._stop = threading.Event()
         try:
             self.placement = _connect(g, self._clients, list(layers), settings)
@@ -90,6 +107,7 @@ class ExpertServices:
             parts, orphans = split_by_service(work, self._owners(layer))
         if orphans.numel():
             raise self._unavailable(layer, orphans)
+        self.meter.add(parts)
         return parts
 
     def submit(self, part: ServicePart, layer: int, hidden: torch.Tensor, expert_weights: torch.Tensor) -> Hop:
@@ -128,6 +146,36 @@ class ExpertServices:
                 totals[key] = totals.get(key, 0) + num_tokens
         return totals
 
+    # ---- a new placement, while serving -----------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        return [c.address for c in self._clients]
+
+    def load_beside(self, targets: Sequence[ServiceShard]) -> None:
+        """First step of a new placement: every service loads its new pairs beside its old ones,
+        so that a layer call planned on either placement finds its experts."""
+        if down := self.describe_failures():
+            raise ExpertsUnavailable(f"not moving experts while a service is down: {down}")
+        for client, target in zip(self._clients, targets):
+            union = ServiceShard.of_keys(client.address, [*client.shard.keys(), *target.keys()])
+            if not client.shard.covers(union):
+                client.shard = client.load(union)
+
+    def switch_to(self, placement: Placement) -> None:
+        """Second step, between layer calls (InFlightCalls.drained): plan on the new placement."""
+        self.placement = placement
+        self._owner_tables = {}
+
+    def release_old(self, targets: Sequence[ServiceShard]) -> None:
+        """Last step, once no call planned on the old placement is in flight: drop the old pairs."""
+        for client, target in zip(self._clients, targets):
+            if target.covers(client.shard):
+                continue
+            # Relied on first, so that the shard check never sees the service host "too little".
+            client.shard = dataclasses.replace(target, hostname=client.shard.hostname)
+            client.shard = client.load(target)
+
     def close(self) -> None:
         self._stop.set()
         for client in self._clients:
@@ -139,8 +187,10 @@ class ExpertServices:
         healthy = tuple(c.healthy for c in self._clients)
         table = self._owner_tables.get((layer, healthy))
         if table is None:  # once per layer and health state: a handful per run
-            owners = self.placement.owners(layer, healthy)
-            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(owners, len(self._clients))
+            placement = self.placement
+            table = self._owner_tables[(layer, healthy)] = OwnerTable.of(
+                placement.owners(layer, healthy), len(self._clients), placement.whole_expert_owners(layer, healthy),
+                self.settings.split_tokens_min_rows)
         return table
 
     def _revive_for(self, layer: int, orphans: torch.Tensor) -> bool:
@@ -171,6 +221,44 @@ class ExpertServices:
                     client.check_shard()
                 else:
                     client.revive()
+
+
+class ImbalanceMeter:
+    """Measured imbalance of the traffic: per layer call, the busiest service's routed slots and
+    the mean per service, each summed over calls (their ratio is what load_plan.imbalance
+    predicts). Sampled: a call in `every` at random (a fixed stride would see the same layers
+    every step), so that the data path pays a few microseconds per step at most. Written by the
+    data path, read by any thread (a torn read is one call off)."""
+
+    def __init__(self, num_services: int, every: int = 4):
+        self.num_services, self.every = num_services, every
+        self._random = random.Random(0)
+        self._max = self._mean = 0.0
+        self._num_calls = 0
+
+    def add(self, parts: Sequence[ServicePart]) -> None:
+        if not parts or self._random.random() * self.every >= 1.0:
+            return
+        slots = [int((p.expert_ids >= 0).sum()) for p in parts]
+        total = sum(slots)
+        if total:
+            self._max += max(slots)
+            self._mean += total / self.num_services
+            self._num_calls += 1
+
+    def read(self) -> tuple[float, float, int]:
+        """(busiest services' slots, mean slots, layer calls measured), summed since the reset."""
+        return self._max, self._mean, self._num_calls
+
+    def reset(self) -> None:
+        self._max = self._mean = 0.0
+        self._num_calls = 0
+
+
+def imbalance_between(earlier: tuple[float, float, int], later: tuple[float, float, int]) -> tuple[float, int]:
+    """(measured imbalance, layer calls measured) between two ImbalanceMeter readings."""
+    busiest, mean, num_calls = (b - a for a, b in zip(earlier, later))
+    return (busiest / mean if mean > 0 else 1.0), int(num_calls)
 
 
 # ---- startup --------------------------------------------------------------------------------

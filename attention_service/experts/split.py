@@ -28,24 +28,48 @@ class ServicePart:
 class OwnerTable:
     """One layer's owners under the current health, ready for indexing by routing tables."""
 
-    slots: torch.Tensor  # [E + 1]: service per expert, then _NOT_WANTED_SLOT (what id -1 indexes)
+    slots: torch.Tensor  # [E + 1]: service per expert, then _NOT_WANTED_SLOT (what id -1 indexes);
+                         # or [R, E + 1], token row t's owners in row t % R (tokens split between replicas)
     complete: bool       # every expert has an owner: no orphan check needed
     single: int | None   # the one service owning every expert of the layer, if so
     num_services: int
+    few_rows_slots: torch.Tensor | None = None  # [E + 1]: owners for calls of under `split_min_rows` rows
+    split_min_rows: int = 0
 
     @classmethod
-    def of(cls, owners: torch.Tensor, num_services: int) -> "OwnerTable":
-        slots = torch.cat([owners, owners.new_tensor([_NOT_WANTED_SLOT])])
-        distinct = set(owners.tolist())
+    def of(cls, owners: torch.Tensor, num_services: int, few_rows_owners: torch.Tensor | None = None,
+           split_min_rows: int = 0) -> "OwnerTable":
+        """owners: [E], or [R, E] for a table dealt by token row; few_rows_owners: [E], used
+        instead for calls of fewer than `split_min_rows` rows."""
+        slots = _with_not_wanted(owners)
+        distinct = set(owners.reshape(-1).tolist())
+        if few_rows_owners is not None:
+            distinct |= set(few_rows_owners.tolist())
         single = distinct.pop() if len(distinct) == 1 and NO_OWNER not in distinct else None
-        return cls(slots, NO_OWNER not in distinct, single, num_services)
+        if slots.dim() == 2 and slots.shape[0] == 1:
+            slots = slots[0]
+        few = None if few_rows_owners is None else _with_not_wanted(few_rows_owners)
+        return cls(slots, NO_OWNER not in distinct, single, num_services, few, split_min_rows)
+
+    def owner_of_slots(self, work_ids: torch.Tensor) -> torch.Tensor:
+        """[T, K] owning service of every slot (id -1 indexes the last entry: not wanted)."""
+        if self.few_rows_slots is not None and work_ids.shape[0] < self.split_min_rows:
+            return self.few_rows_slots[work_ids]
+        if self.slots.dim() == 1:
+            return self.slots[work_ids]
+        rows = torch.arange(work_ids.shape[0]).remainder_(self.slots.shape[0]).unsqueeze(1)
+        return self.slots[rows, work_ids]
+
+
+def _with_not_wanted(owners: torch.Tensor) -> torch.Tensor:
+    return torch.cat([owners, owners.new_full((*owners.shape[:-1], 1), _NOT_WANTED_SLOT)], dim=-1)
 
 
 def split_by_service(work_ids: torch.Tensor, table: OwnerTable) -> tuple[list[ServicePart], torch.Tensor]:
     """(one part per owning service, the wanted expert ids that no service owns now)."""
     if table.single is not None:  # the common decode case: send the routing as is
         return [ServicePart(table.single, None, work_ids.to(torch.int32))], work_ids.new_empty(0)
-    slot_owner = table.slots[work_ids]  # id -1 indexes the last entry: not wanted
+    slot_owner = table.owner_of_slots(work_ids)
     if not table.complete:
         orphans = slot_owner == NO_OWNER
         if orphans.any():

@@ -27,6 +27,25 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
     ("--local-experts", dict(type=int, default=0, metavar="N",
                              help="keep the first N MoE layers' experts in this process (like llama.cpp "
                                   "--n-cpu-moe)")),
+    ("--local-experts-by-heat", dict(default="", metavar="N|SIZE",
+                                     help="keep the hottest routed experts, by measured tokens per second, in this "
+                                          "process: N (layer, expert) pairs, or SIZE of their weights (512M, 2G). "
+                                          "The heat comes from --heat-file at start, then from the traffic at "
+                                          "each rebalance (default: none)")),
+    ("--heat-file", dict(default="", metavar="PATH",
+                         help="the measured heat per (layer, expert): read at start (the first placement follows "
+                              "the previous run's traffic), written at every rebalance and at shutdown (default: none)")),
+    ("--heat-half-life-s", dict(type=float, default=60.0,
+                                help="half-life of the decayed tokens-per-second rate the placement follows")),
+    ("--rebalance-spare-slots", dict(type=int, default=1, metavar="N",
+                                     help="per expert service and layer, experts it may host beyond an even "
+                                          "share: replicas of the hottest experts when rebalancing")),
+    ("--auto-rebalance", dict(type=float, default=0.0, metavar="RATIO",
+                              help="rebalance by itself when the measured imbalance (max over mean tokens per "
+                                   "expert service per layer call) passes RATIO, e.g. 1.3 (0: only on "
+                                   "`splitmoe rebalance`)")),
+    ("--auto-rebalance-interval-s", dict(type=float, default=30.0,
+                                         help="how often the measured imbalance is checked")),
     ("--transport", dict(choices=["auto", "grpc", "shm"], default="auto",
                          help="auto: shared memory to expert services on this host, gRPC to the others")),
     ("--expert-timeout-s", dict(type=float, default=30.0, help="deadline of every expert hop, in seconds")),
@@ -88,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from splitmoe.attention_service.experts.load_plan import HeatBudget
     from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import DTYPES, default_device
     from splitmoe.attention_service.server import serve
@@ -106,7 +126,10 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching == "on")
     experts = RemoteExpertsSettings(
         addresses=args.expert_services, expert_timeout_s=args.expert_timeout_s, transport=args.transport,
-        local_layers=args.local_experts, security=security) if args.expert_services else None
+        local_layers=args.local_experts, local_by_heat=HeatBudget.parse(args.local_experts_by_heat or "0"),
+        heat_file=args.heat_file, heat_half_life_s=args.heat_half_life_s,
+        rebalance_spare_slots=args.rebalance_spare_slots, auto_rebalance_imbalance=args.auto_rebalance,
+        auto_rebalance_interval_s=args.auto_rebalance_interval_s, security=security) if args.expert_services else None
     settings = AttentionSettings(
         model_path=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         runner=runner, experts=experts, max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,

@@ -30,6 +30,7 @@ from splitmoe.local_stack import (
     gateway_spec,
     make_run_dir,
 )
+from splitmoe.run_dirs import record_run
 from splitmoe.runtime.settings import new_cluster_token
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.num_expert_services:
         expert_ranges(num_experts, settings.num_expert_services)  # a bad split fails before anything starts
     run_dir = make_run_dir(settings.run_dir)
+    record_run(run_dir, settings.cluster_token)  # for `splitmoe rebalance` and `splitmoe heatmap`
     _say(f"splitmoe up: {Path(settings.model_path).name}, {num_experts} experts per layer; "
          f"logs in {run_dir}/ (tail -f {run_dir}/*.log)")
     with Supervisor(run_dir, settings.startup_timeout_s, settings.stop_grace_s, say=_say) as supervisor:

@@ -1,7 +1,7 @@
 """Gateway-measured latencies and the attention service's GetStats as Prometheus text."""
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitmoe.gateway.attention_types import AttentionStats, ExpertTokens, HopStats
+from splitmoe.gateway.attention_types import AttentionStats, ExpertHeat, ExpertTokens, HopStats
 from splitmoe.gateway.metrics import GatewayMetrics
 
 
@@ -53,6 +53,17 @@ def test_stats_become_gauges_and_counters_at_scrape():
     assert s[("splitmoe:expert_service_healthy", addr)] == 0
     assert s[("splitmoe:expert_tokens_total", (("expert", "5"), ("layer", "1")))] == 12
     assert s[("splitmoe:attention_service_up", ())] == 1
+
+
+def test_heat_placement_and_imbalance_become_gauges():
+    stats = AttentionStats(expert_imbalance=1.75, expert_heat=(
+        ExpertHeat(layer=0, expert=3, tokens=40, tokens_per_s=12.5, placed_on=("a:1", "b:2")),
+        ExpertHeat(layer=1, expert=0, tokens=9, tokens_per_s=0.5, placed_on=("local",))))
+    s = samples(GatewayMetrics().render(stats))
+    assert s[("splitmoe:expert_heat_tokens_per_second", (("expert", "3"), ("layer", "0")))] == 12.5
+    assert s[("splitmoe:expert_replicas", (("expert", "3"), ("layer", "0")))] == 2
+    assert s[("splitmoe:expert_replicas", (("expert", "0"), ("layer", "1")))] == 0  # computed by attention
+    assert s[("splitmoe:expert_imbalance", ())] == 1.75
 
 
 def test_two_apps_do_not_share_a_registry():
