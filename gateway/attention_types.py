@@ -163,6 +163,8 @@ class HopStats:
     hop_s_total: float = 0.0
     compute_s_total: float = 0.0
     bytes_total: int = 0
+    transport: str = ""                       # "grpc" | "shm" | "" while disconnected
+    last_error: str = ""                      # why it is unhealthy
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +186,4 @@ class AttentionStats:
     expert_tokens: tuple[ExpertTokens, ...] = ()
     prefix_cache_queries: int = 0             # tokens of admitted requests
     prefix_cache_hits: int = 0                # of those, tokens found in the prefix cache
+    uncovered_layers: tuple[int, ...] = ()    # MoE layers with an expert no healthy service hosts

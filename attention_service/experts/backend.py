@@ -47,6 +47,10 @@ class ExpertBackend(Protocol):
     def expert_token_counts(self) -> dict[ExpertKey, int]:
         ...
 
+    def uncovered_layers(self) -> list[int]:
+        """MoE layers some routed expert of which no healthy expert service hosts now."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -90,6 +94,9 @@ class InProcessExperts:
     def expert_token_counts(self) -> dict[ExpertKey, int]:
         counts = self._counts.read(self.shard.layers, self.shard.experts)
         return {key: n for key, n in counts.items() if n}
+
+    def uncovered_layers(self) -> list[int]:
+        return []
 
     def close(self) -> None:
         pass
