@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.processes import CLUSTER, REPO, CLUSTER_TOKEN_ENV
+from tests.support.processes import CLUSTER, CLUSTER_TOKEN_ENV, REPO
 
 
 def skip_reason() -> str | None:
