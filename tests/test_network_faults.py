@@ -82,11 +82,11 @@ def cluster(demo_gguf, tmp_path_factory):
 
 class HealthProbe:
     """GET /health every 50 ms in a thread, as a load balancer would (no API key): each answer's
-    latency and status."""
+    time, latency and what it said ("ok", "degraded", or the error code)."""
 
     def __init__(self, url: str):
         self.url = url
-        self.answers: list[tuple[float, int]] = []
+        self.answers: list[tuple[float, float, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -102,11 +102,16 @@ class HealthProbe:
         with httpx.Client(timeout=10) as http:
             while not self._stop.wait(0.05):
                 start_s = time.monotonic()
-                status = http.get(self.url + "/health").status_code
-                self.answers.append((time.monotonic() - start_s, status))
+                body = http.get(self.url + "/health").json()
+                said = body["status"] if "status" in body else body["error"]["code"]
+                self.answers.append((start_s, time.monotonic() - start_s, said))
 
     def slowest_s(self) -> float:
-        return max(latency for latency, _ in self.answers)
+        return max(latency for _, latency, _ in self.answers)
+
+    def first_s(self, said: str) -> float:
+        """When a probe first sent that answered `said`."""
+        return min(t for t, _, s in self.answers if s == said)
 
 
 def stream_tokens(url: str, on_token=None) -> tuple[str, list[float], list[str]]:
@@ -165,10 +170,12 @@ def test_a_link_cut_to_one_replica_mid_stream_costs_under_a_second(cluster):
             time.sleep(1.5)  # the probe sees the service's loss too
         gap_s = longest_gap_s(arrivals)
         print(f"longest gap between tokens {gap_s * 1e3:.0f} ms (cut at token {CUT_AFTER_TOKENS}); "
-              f"slowest of {len(probe.answers)} /health answers {probe.slowest_s() * 1e3:.0f} ms")
+              f"slowest of {len(probe.answers)} /health answers {probe.slowest_s() * 1e3:.0f} ms, "
+              f"'degraded' {(probe.first_s('degraded') - cut['at_s']) * 1e3:.0f} ms after the cut")
         assert not errors and text == reference  # nothing failed, nothing changed
         assert gap_s <= MAX_GAP_S
         assert probe.slowest_s() <= HEALTH_DEADLINE_S
+        assert probe.first_s("degraded") - cut["at_s"] <= 1.0  # no stale "ok" for long
         # Every expert still has a healthy replica: degraded, not down; only a key holder reads which one.
         _, open_answer = health(cluster.url)
         assert open_answer.status_code == 200 and open_answer.json()["status"] == "degraded"
@@ -193,9 +200,12 @@ def test_with_no_replica_left_health_names_the_unreachable_services_within_a_sec
             latency_s, down = health(cluster.url, AUTH)
             while down.status_code == 200 and time.monotonic() - start_s < 10:
                 latency_s, down = health(cluster.url, AUTH)
-        print(f"request failed after {failed_after_s:.2f} s; slowest /health {probe.slowest_s() * 1e3:.0f} ms")
+            time.sleep(0.5)  # the probe's next answers
+        print(f"request failed after {failed_after_s:.2f} s; slowest /health {probe.slowest_s() * 1e3:.0f} ms, "
+              f"503 {(probe.first_s('expert_unhealthy') - start_s) * 1e3:.0f} ms after the cut")
         assert refused.status_code == 503 and failed_after_s < 5
         assert probe.slowest_s() <= HEALTH_DEADLINE_S and latency_s <= HEALTH_DEADLINE_S
+        assert probe.first_s("expert_unhealthy") - start_s <= 2.0  # keepalive's second, and a probe's deadline
         assert down.status_code == 503 and down.json()["error"]["code"] == "expert_unhealthy"
         for address in cluster.addresses:
             assert address in down.json()["error"]["message"]

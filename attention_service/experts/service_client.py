@@ -176,6 +176,14 @@ class ExpertServiceClient:
         """A hop of it was abandoned and has not been answered yet: the placement avoids it."""
         return bool(self._abandoned)
 
+    def lag_reason(self) -> str:
+        """Why it is lagging, for health ('' when it is not)."""
+        try:
+            oldest = self._abandoned[0]
+        except IndexError:  # none, or the link ended meanwhile
+            return ""
+        return f"lagging: a hop unanswered for {time.perf_counter() - oldest.sent_s:.1f} s went to a replica"
+
     # ---- control RPCs ---------------------------------------------------------------------------
 
     def describe(self, timeout_s: float, wait_for_ready: bool = False) -> ServiceShard:

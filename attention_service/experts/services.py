@@ -116,7 +116,13 @@ class ExpertServices:
     # ---- what the attention service publishes ----------------------------------------------------
 
     def health(self) -> dict[str, ServiceHealth]:
-        return {c.address: ServiceHealth(c.healthy, c.shard, c.transport, c.last_error) for c in self._clients}
+        """Per service; a lagging one is reported unhealthy (it is left out), before keepalive or its
+        deadline decides whether it is."""
+        health = {}
+        for c in self._clients:
+            lag = c.lag_reason() if c.healthy else ""
+            health[c.address] = ServiceHealth(c.healthy and not lag, c.shard, c.transport, lag or c.last_error)
+        return health
 
     def stats(self) -> dict[str, HopStats]:
         # Unlocked: a hop may hold the data path for up to expert_timeout_s; a torn read of the
