@@ -187,6 +187,24 @@ def test_a_link_cut_to_one_replica_mid_stream_costs_under_a_second(cluster):
     wait_http(cluster.url + "/health", None, lambda r: r.json().get("status") == "ok", timeout_s=30)
 
 
+def test_an_idle_host_cut_off_is_seen_within_about_a_second(cluster):
+    """No hop in flight, so nothing to hedge: keepalive's pings alone find it."""
+    try:
+        cluster.hosts[1].cut()
+        start_s = time.monotonic()
+        _, answer = health(cluster.url, AUTH)
+        while answer.json().get("status") == "ok" and time.monotonic() - start_s < 10:
+            time.sleep(0.05)
+            _, answer = health(cluster.url, AUTH)
+        seen_s = time.monotonic() - start_s
+        print(f"idle partition seen after {seen_s * 1e3:.0f} ms: {answer.json()}")
+        assert answer.json()["status"] == "degraded" and cluster.addresses[1] in answer.json()["message"]
+        assert seen_s <= 1.5  # a ping every 0.5 s, unanswered for 0.5 s
+    finally:
+        cluster.hosts[1].restore()
+    wait_http(cluster.url + "/health", None, lambda r: r.json().get("status") == "ok", timeout_s=30)
+
+
 def test_with_no_replica_left_health_names_the_unreachable_services_within_a_second(cluster):
     try:
         with HealthProbe(cluster.url) as probe:
