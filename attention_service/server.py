@@ -330,7 +330,9 @@ def _add_expert_stats(stats: pb.AttentionStats, model: ServingModel) -> None:
                        hop_s_total=h.hop_s_total if h else 0.0, compute_s_total=h.compute_s_total if h else 0.0,
                        bytes_total=(h.sent_bytes + h.received_bytes) if h else 0,
                        overhead_us_median=h.overhead_us_median if h else 0.0,
-                       overhead_us_mean=h.overhead_us_mean if h else 0.0, transport=health.transport)
+                       overhead_us_mean=h.overhead_us_mean if h else 0.0, transport=health.transport,
+                       last_error="" if health.healthy else health.last_error)
+    stats.uncovered_layers.extend(model.experts.uncovered_layers())
     for key, tokens in sorted(model.experts.expert_token_counts().items()):
         stats.expert_tokens.add(layer=key.layer, expert=key.expert, tokens=tokens)
     _add_heat(stats, model.experts)

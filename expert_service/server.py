@@ -99,7 +99,10 @@ class ExpertServer:
         self.health = health.HealthServicer()
         options = [("grpc.max_send_message_length", settings.max_message_bytes),
                    ("grpc.max_receive_message_length", settings.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]  # a second server on our port must fail, not share it
+                   ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
+                   # The attention side pings every half second to find a silent host fast
+                   # (ConnectionSettings.keepalive_s); gRPC's defaults would answer that with GOAWAY.
+                   ("grpc.http2.min_ping_interval_without_data_ms", 100), ("grpc.http2.max_ping_strikes", 0)]
         self._server = grpc.server(futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="expert-rpc"),
                                    options=options, interceptors=settings.security.server_interceptors())
         expert_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, self._server)

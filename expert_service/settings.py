@@ -17,6 +17,7 @@ class ExpertServiceSettings:
     unassigned: bool = False                # start empty and wait for LoadShard
     num_threads: int | None = None          # torch intra-op threads; None: torch's default
     cpus: frozenset[int] | None = None      # pin the process to these CPUs
+    numa_node: int | None = None            # the NUMA node those CPUs are (its memory: where pages land)
     # Each open Forward stream holds one worker thread for its lifetime; unary RPCs share the rest.
     max_workers: int = 64
     max_message_bytes: int = 1 << 30       # 1 GiB: a long prefill's hidden states in one message

@@ -33,7 +33,13 @@ from splitmoe.gateway.handlers.models import ServedModel
 from splitmoe.gateway.handlers.ops import OpsHandler
 from splitmoe.gateway.handlers.tokens import TokensHandler
 from splitmoe.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from splitmoe.gateway.middleware import PROBE_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
+from splitmoe.gateway.middleware import (
+    PROBE_PATHS,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    StatusCountMiddleware,
+    has_api_key,
+)
 from splitmoe.gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -103,7 +109,13 @@ async def version() -> Response:
 @router.get("/health")
 async def health(raw: Request) -> Response:
     ops: OpsHandler = raw.app.state.ops
-    return to_response(await ops.health())
+    return to_response(await ops.health(name_services=may_read_metrics(raw)))
+
+
+def may_read_metrics(raw: Request) -> bool:
+    """/metrics names the expert services' addresses; /health may too, to whoever may read it."""
+    settings: GatewaySettings = raw.app.state.settings
+    return not settings.api_key or settings.public_metrics or has_api_key(raw.scope, settings.api_key.encode())
 
 
 @router.get("/metrics")
@@ -221,7 +233,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.model = model
     app.state.chat = ChatHandler(client, model, app.state.metrics, admission)
     app.state.completions = CompletionHandler(client, model, app.state.metrics, admission)
-    app.state.ops = OpsHandler(client, model, app.state.metrics, admission)
+    app.state.ops = OpsHandler(client, model, app.state.metrics, admission, timeout_s=settings.health_timeout_s)
     app.state.tokens = TokensHandler(client, model, app.state.metrics, admission)
     try:
         yield

@@ -133,8 +133,9 @@ class AttentionClient:
     async def model_info(self) -> ModelInfo:
         return model_info_of(await self._unary(self._stub.ModelInfo, pb.ModelInfoRequest(), self._probe_timeout_s))
 
-    async def stats(self) -> AttentionStats:
-        stats = await self._unary(self._stub.GetStats, pb.AttentionStatsRequest(), self._probe_timeout_s)
+    async def stats(self, timeout_s: float | None = None) -> AttentionStats:
+        """`timeout_s`: the probe deadline unless given (/health's own is shorter)."""
+        stats = await self._unary(self._stub.GetStats, pb.AttentionStatsRequest(), timeout_s or self._probe_timeout_s)
         return stats_of(stats)
 
     async def _unary(self, method, request, timeout_s: float):
@@ -225,4 +226,4 @@ def stats_of(s: pb.AttentionStats) -> AttentionStats:
     hops = tuple(_answer(HopStats, h, address=h.expert_address) for h in s.hops)
     heat = tuple(_answer(ExpertHeat, e, placed_on=tuple(e.placed_on)) for e in s.expert_heat)
     return _answer(AttentionStats, s, hops=hops, expert_tokens=tuple(_answer(ExpertTokens, e) for e in s.expert_tokens),
-                   expert_heat=heat)
+                   expert_heat=heat, uncovered_layers=tuple(s.uncovered_layers))

@@ -163,6 +163,8 @@ class HopStats:
     hop_s_total: float = 0.0
     compute_s_total: float = 0.0
     bytes_total: int = 0
+    transport: str = ""                       # "grpc" | "shm" | "" while disconnected
+    last_error: str = ""                      # why it is unhealthy
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,3 +197,4 @@ class AttentionStats:
     prefix_cache_hits: int = 0                # of those, tokens found in the prefix cache
     expert_heat: tuple[ExpertHeat, ...] = ()
     expert_imbalance: float = 0.0             # max over mean tokens per expert service per layer call
+    uncovered_layers: tuple[int, ...] = ()    # MoE layers with an expert no healthy service hosts

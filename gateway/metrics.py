@@ -159,9 +159,18 @@ def _hop_families(s: AttentionStats) -> Iterator[Metric]:
     }
     healthy = GaugeMetricFamily("splitmoe:expert_service_healthy", "1 if the expert service is healthy.",
                                 labels=labels)
+    transport = GaugeMetricFamily("splitmoe:expert_service_transport",
+                                  "1 for the transport each expert service is reached over now.",
+                                  labels=["address", "transport"])
     for hop in s.hops:
         for field, family in families.items():
             family.add_metric([hop.address], getattr(hop, field))
         healthy.add_metric([hop.address], 1 if hop.healthy else 0)
+        if hop.transport:
+            transport.add_metric([hop.address, hop.transport], 1)
     yield from families.values()
     yield healthy
+    yield transport
+    yield GaugeMetricFamily("splitmoe:expert_layers_uncovered",
+                            "MoE layers with an expert no healthy expert service hosts (no replica left).",
+                            value=len(s.uncovered_layers))

@@ -77,11 +77,16 @@ class ApiKeyMiddleware:
         await error_json(denied, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer":
-            token = headers.get(b"x-api-key", b"")
-        return hmac.compare_digest(token.strip(), self.api_key)  # constant time: no timing oracle
+        return has_api_key(scope, self.api_key)
+
+
+def has_api_key(scope: Scope, api_key: bytes) -> bool:
+    """Whether the request presents `api_key` (`Authorization: Bearer` or `X-Api-Key`)."""
+    headers = dict(scope["headers"])
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    if scheme.lower() != b"bearer":
+        token = headers.get(b"x-api-key", b"")
+    return hmac.compare_digest(token.strip(), api_key)  # constant time: no timing oracle
 
 
 class StatusCountMiddleware:

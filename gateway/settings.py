@@ -25,6 +25,7 @@ class GatewaySettings:
     served_model_name: str | None = None   # None: the model_id the attention service reports
     request_timeout_s: float = 600.0       # deadline of one Generate/Score call (whole generation)
     probe_timeout_s: float = 5.0           # deadline of ModelInfo/GetStats (health, metrics, /v1/models)
+    health_timeout_s: float = 0.8          # what /health and /metrics wait at most: a probe answers in a second
     max_body_bytes: int = 8 << 20          # larger request bodies get 413 before they are parsed
     max_generations_per_request: int = 128  # prompts x n above this get 400 (OpenAI's n goes up to 128)
     max_generations_in_flight: int = 512   # Generate calls open at once; a request past it gets 429
@@ -39,7 +40,7 @@ class GatewaySettings:
             raise ValueError(f"attention address must be HOST:PORT, got {self.attention_address!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must lie in [0, 65535], got {self.port}")
-        for name in ("request_timeout_s", "probe_timeout_s", "max_body_bytes", "max_generations_per_request",
+        for name in ("request_timeout_s", "probe_timeout_s", "health_timeout_s", "max_body_bytes", "max_generations_per_request",
                      "max_generations_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

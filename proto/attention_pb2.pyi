@@ -293,7 +293,7 @@ class AttentionStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HopStats(_message.Message):
-    __slots__ = ("expert_address", "num_hops", "hop_s_total", "compute_s_total", "bytes_total", "healthy", "overhead_us_median", "overhead_us_mean", "transport")
+    __slots__ = ("expert_address", "num_hops", "hop_s_total", "compute_s_total", "bytes_total", "healthy", "overhead_us_median", "overhead_us_mean", "transport", "last_error")
     EXPERT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOPS_FIELD_NUMBER: _ClassVar[int]
     HOP_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class HopStats(_message.Message):
     OVERHEAD_US_MEDIAN_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_US_MEAN_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     expert_address: str
     num_hops: int
     hop_s_total: float
@@ -312,7 +313,8 @@ class HopStats(_message.Message):
     overhead_us_median: float
     overhead_us_mean: float
     transport: str
-    def __init__(self, expert_address: _Optional[str] = ..., num_hops: _Optional[int] = ..., hop_s_total: _Optional[float] = ..., compute_s_total: _Optional[float] = ..., bytes_total: _Optional[int] = ..., healthy: _Optional[bool] = ..., overhead_us_median: _Optional[float] = ..., overhead_us_mean: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+    last_error: str
+    def __init__(self, expert_address: _Optional[str] = ..., num_hops: _Optional[int] = ..., hop_s_total: _Optional[float] = ..., compute_s_total: _Optional[float] = ..., bytes_total: _Optional[int] = ..., healthy: _Optional[bool] = ..., overhead_us_median: _Optional[float] = ..., overhead_us_mean: _Optional[float] = ..., transport: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ExpertTokenCount(_message.Message):
     __slots__ = ("layer", "expert", "tokens")
@@ -325,7 +327,7 @@ class ExpertTokenCount(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class AttentionStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "expert_heat", "expert_imbalance")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "uncovered_layers", "expert_heat", "expert_imbalance")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +338,7 @@ class AttentionStats(_message.Message):
     EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    UNCOVERED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_HEAT_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
@@ -348,9 +351,10 @@ class AttentionStats(_message.Message):
     expert_tokens: _containers.RepeatedCompositeFieldContainer[ExpertTokenCount]
     prefix_cache_queries: int
     prefix_cache_hits: int
+    uncovered_layers: _containers.RepeatedScalarFieldContainer[int]
     expert_heat: _containers.RepeatedCompositeFieldContainer[ExpertHeat]
     expert_imbalance: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., uncovered_layers: _Optional[_Iterable[int]] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ...) -> None: ...
 
 class ExpertHeat(_message.Message):
     __slots__ = ("layer", "expert", "tokens", "tokens_per_s", "placed_on")

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitmoe.runtime.settings import CLUSTER_TOKEN_ENV, cache_dir, new_cluster_token
-from splitmoe.runtime.topology import usable_cpus
+from splitmoe.runtime.topology import SYSFS_NODES, NumaNode, read_numa_nodes, usable_cpu_set, usable_cpus
 
 if TYPE_CHECKING:
+    from splitmoe.numa_plan import NodeService
     from splitmoe.supervisor import ServiceSpec
 
 CHILD_PREFIX = (sys.executable, "-u", "-m", "splitmoe")  # the same interpreter and install as `up`
@@ -35,6 +36,8 @@ class UpSettings:
     run_dir: str = ""                  # default: <cache>/splitmoe/runs/<time>-<pid>
     startup_timeout_s: float = 300.0   # per stage: loading a large model's shard takes a while
     stop_grace_s: float = 10.0         # per stage, between SIGTERM and SIGKILL
+    numa: bool = False                 # one expert service per NUMA node (num_expert_services unused)
+    sysfs_nodes: str = str(SYSFS_NODES)  # where the NUMA topology is read (tests fake it)
 
     def __post_init__(self) -> None:
         if self.num_expert_services < 0:
@@ -87,9 +90,23 @@ def connect_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def numa_plan(settings: UpSettings, num_experts: int) -> list[NodeService]:
+    """`--numa`'s services; one on the CPUs we may use where no topology is reported."""
+    from splitmoe.numa_plan import plan_numa_services
+
+    nodes = read_numa_nodes(Path(settings.sysfs_nodes)) or [NumaNode(0, usable_cpu_set())]
+    return plan_numa_services(nodes, num_experts, settings.threads)
+
+
+def num_expert_services(settings: UpSettings, num_experts: int) -> int:
+    return len(numa_plan(settings, num_experts)) if settings.numa else settings.num_expert_services
+
+
 def expert_specs(settings: UpSettings, num_experts: int, ports: list[int]) -> list[ServiceSpec]:
     from splitmoe.supervisor import GrpcHealthProbe, ServiceSpec
 
+    if settings.numa:
+        return numa_expert_specs(settings, num_experts, ports)
     total_threads = settings.threads or usable_cpus()
     ranges = expert_ranges(num_experts, len(ports))
     threads = split_threads(total_threads, len(ports))
@@ -101,6 +118,22 @@ def expert_specs(settings: UpSettings, num_experts: int, ports: list[int]) -> li
         specs.append(ServiceSpec(f"expert-{i}", argv, address, lambda a=address: GrpcHealthProbe(a),
                                  detail=f", experts {first}-{last}, {num_threads} thread{'s' * (num_threads != 1)}",
                                  env=cluster_env(settings)))
+    return specs
+
+
+def numa_expert_specs(settings: UpSettings, num_experts: int, ports: list[int]) -> list[ServiceSpec]:
+    """One service per node: `serve-experts --numa-node` pins it there (its pages follow)."""
+    from splitmoe.supervisor import GrpcHealthProbe, ServiceSpec
+
+    specs = []
+    for port, service in zip(ports, numa_plan(settings, num_experts), strict=True):
+        address = f"127.0.0.1:{port}"
+        first, last = service.experts
+        argv = (*CHILD_PREFIX, "serve-experts", settings.model_path, "--host", "127.0.0.1", "--port", str(port),
+                "--experts", f"{first}-{last}", "--threads", str(service.num_threads),
+                "--numa-node", str(service.node))
+        specs.append(ServiceSpec(f"expert-{service.node}", argv, address, lambda a=address: GrpcHealthProbe(a),
+                                 detail=f", NUMA {service.describe()}", env=cluster_env(settings)))
     return specs
 
 

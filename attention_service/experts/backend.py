@@ -62,6 +62,10 @@ class ExpertBackend(Protocol):
         the last rebalance; zeros without services."""
         ...
 
+    def uncovered_layers(self) -> list[int]:
+        """MoE layers some routed expert of which no healthy expert service hosts now."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -115,6 +119,9 @@ class InProcessExperts:
 
     def imbalance_meter(self) -> tuple[float, float, int]:
         return 0.0, 0.0, 0
+
+    def uncovered_layers(self) -> list[int]:
+        return []
 
     def close(self) -> None:
         pass

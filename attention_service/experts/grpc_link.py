@@ -103,18 +103,25 @@ class GrpcLink:
 
     def wait(self, ticket: GrpcTicket, deadline_s: float, timeout_s: float) -> Reply:
         """deadline_s: perf_counter seconds; timeout_s: for the message only."""
+        reply = self.poll(ticket, deadline_s)
+        if reply is None:
+            raise HopFailed(f"no answer within expert_timeout_s={timeout_s:g}")
+        return reply
+
+    def poll(self, ticket: GrpcTicket, until_s: float) -> Reply | None:
         try:
-            response, arrived_s, previous_s = ticket.future.result(timeout=max(deadline_s - time.perf_counter(), 0.0))
+            response, arrived_s, previous_s = ticket.future.result(timeout=max(until_s - time.perf_counter(), 0.0))
         except futures.TimeoutError:
-            raise HopFailed(f"no answer within expert_timeout_s={timeout_s:g}") from None
+            return None
         if response.step_id != ticket.step_id:
             raise HopFailed(f"answer to request {response.step_id} while waiting for {ticket.step_id}")
         # A request sent while the service still worked on the previous one waited for it: only
         # the time after the previous answer is this hop's (an estimate: one-way latency is lost).
-        overhead_s = arrived_s - max(ticket.start_s, previous_s) - response.compute_s
+        overhead_s = max(arrived_s - max(ticket.start_s, previous_s) - response.compute_s, 0.0)
+        hop_s = arrived_s - ticket.start_s
         if response.error:
-            return Reply(None, response.error, response.compute_s, max(overhead_s, 0.0))
-        return Reply(codec.decode(response.output), "", response.compute_s, max(overhead_s, 0.0))
+            return Reply(None, response.error, response.compute_s, overhead_s, hop_s)
+        return Reply(codec.decode(response.output), "", response.compute_s, overhead_s, hop_s)
 
     def close(self) -> None:
         self._stream.close()

@@ -35,6 +35,7 @@ class Reply:
     error: str                    # non-empty: the service rejected the request (it stays usable)
     compute_s: float              # inside the expert kernels, as the service reports it
     overhead_s: float             # the rest of the hop: what the transport cost
+    hop_s: float = 0.0            # sent -> answer arrived, timed at arrival: not when someone got round to it
 
 
 class Link(Protocol):
@@ -47,6 +48,11 @@ class Link(Protocol):
 
     def wait(self, ticket: Ticket, deadline_s: float, timeout_s: float) -> Reply:
         """The hop's reply by deadline_s (perf_counter seconds), else HopFailed; timeout_s: for the message only."""
+        ...
+
+    def poll(self, ticket: Ticket, until_s: float) -> Reply | None:
+        """The hop's reply if it arrives by until_s (perf_counter seconds; in the past: only if
+        already there), else None: late is not failed. HopFailed only when the link died."""
         ...
 
     def close(self) -> None:

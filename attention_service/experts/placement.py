@@ -59,6 +59,12 @@ class ServiceShard:
             return set(other.layers) <= set(self.layers) and set(other.experts) <= set(self.experts)
         return set(other.keys()) <= set(self.keys())
 
+    def experts_in(self, layer: int) -> tuple[int, ...]:
+        """The experts this shard hosts in `layer`."""
+        if self.by_layer:
+            return next((experts for at, experts in self.by_layer if at == layer), ())
+        return self.experts if layer in self.layers else ()
+
     def keys(self) -> Iterator[ExpertKey]:
         if self.by_layer:
             return (ExpertKey(layer, expert) for layer, experts in self.by_layer for expert in experts)

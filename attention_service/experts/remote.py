@@ -210,11 +210,14 @@ class RemoteExperts:
         return self._services.stats()
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
-        """Tokens each (layer, expert) computed, summed over the healthy services (GetStats)."""
+        """Tokens each (layer, expert) computed, summed over the services (GetStats)."""
         return self._services.expert_token_counts()
 
     def expert_heat(self) -> HeatSnapshot:
         return self.heat.snapshot()
+
+    def uncovered_layers(self) -> list[int]:
+        return self._services.uncovered_layers()
 
     def close(self) -> None:
         if self._auto is not None:

@@ -5,9 +5,16 @@ link (attention_service/experts/links.py): the Forward stream, or on one host th
 shared-memory doorbell. Either way several hops may be in flight, answered in order, and waited
 for with a deadline. A dead link marks the service unhealthy at once, even when idle; `revive`
 opens a fresh channel (never one stuck in reconnect backoff) and link.
+
+A silent peer (a partitioned host, a hung process) is found two ways: gRPC keepalive pings on
+the channel end its Forward stream about a second after the peer stops answering, and a hop
+unanswered past its learned budget (hop_budget.py) is *abandoned*: the caller re-sends it to a
+replica, the service is left out of the placement while it is `lagging`, and its answer, should it
+still come, is read and dropped (the link's order and shared-memory slots stay consistent).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -22,6 +29,7 @@ import torch
 
 from splitmoe.attention_service.experts.backend import HopStats
 from splitmoe.attention_service.experts.grpc_link import GrpcLink
+from splitmoe.attention_service.experts.hop_budget import HopBudget
 from splitmoe.attention_service.experts.links import HopFailed, Link, Reply, Ticket
 from splitmoe.attention_service.experts.placement import ServiceShard
 from splitmoe.attention_service.experts.shm_link import ShmLink
@@ -30,8 +38,13 @@ from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
 
 log = logging.getLogger(__name__)
-__all__ = ["HopFailed", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters", "TRANSPORTS"]
+__all__ = ["HopFailed", "HopLate", "ExpertRequestError", "ExpertServiceClient", "ConnectionSettings", "HopCounters", "TRANSPORTS"]
 OVERHEAD_WINDOW = 1024  # hops the median overhead is taken over
+
+
+class HopLate(HopFailed):
+    """A hop unanswered past its budget: abandoned (see the module docstring), not failed; the
+    service stays healthy."""
 
 
 class ExpertRequestError(RuntimeError):
@@ -90,13 +103,18 @@ class ConnectionSettings:
     transport: str = "auto"                    # auto: shared memory with services on this host, else gRPC
     max_message_bytes: int = 1 << 30           # 1 GiB: a long prefill's hidden states in one message
     shm_initial_bytes: int = 4 << 20           # per connection; grows to the largest request
+    keepalive_s: float = 0.5                   # gRPC ping interval, and how long its answer may take
+    hedge_floor_s: float = 0.25                # a hop is never abandoned for a replica sooner than this
+    hedge_margin: float = 4.0                  # ... nor before this many times its learned quantile
+    stats_timeout_s: float = 0.3               # GetStats to one service: what /metrics waits at most
     security: ClusterSecurity = ClusterSecurity()  # the secret every call and doorbell carries; TLS
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport {self.transport!r}: want one of {', '.join(TRANSPORTS)}")
-        if min(self.expert_timeout_s, self.connect_timeout_s) <= 0:
-            raise ValueError("expert timeouts must be positive")
+        if min(self.expert_timeout_s, self.connect_timeout_s, self.keepalive_s, self.hedge_floor_s,
+               self.hedge_margin, self.stats_timeout_s) <= 0:
+            raise ValueError("expert timeouts, the keepalive and the hedge budget must be positive")
 
 
 def shard_from_info(address: str, info: expert_pb2.ShardInfo) -> ServiceShard:
@@ -122,6 +140,7 @@ class Hop:
     layer: int
     sent_s: float        # perf_counter when submitted: the deadline counts from here
     sent_bytes: int
+    num_rows: int = 0
     error: str = ""
 
 
@@ -150,6 +169,9 @@ class ExpertServiceClient:
         self.healthy = False
         self.last_error = "not connected"
         self.counters = HopCounters()
+        self.budget = HopBudget(settings.hedge_floor_s, settings.hedge_margin, settings.expert_timeout_s)
+        self._abandoned: collections.deque[Hop] = collections.deque()  # oldest first, on the current link
+        self._token_counts: dict[ExpertKey, int] = {}  # its last GetStats answer
         self.last_attempt_s = float("-inf")  # last reconnect attempt, or the failure that made it unhealthy
         self._lock = threading.Lock()
         self._conn = self._new_connection()
@@ -158,6 +180,19 @@ class ExpertServiceClient:
     def transport(self) -> str:
         link = self._conn.link
         return link.name if link is not None and self.healthy else ""
+
+    @property
+    def lagging(self) -> bool:
+        """A hop of it was abandoned and has not been answered yet: the placement avoids it."""
+        return bool(self._abandoned)
+
+    def lag_reason(self) -> str:
+        """Why it is lagging, for health ('' when it is not)."""
+        try:
+            oldest = self._abandoned[0]
+        except IndexError:  # none, or the link ended meanwhile
+            return ""
+        return f"lagging: a hop unanswered for {time.perf_counter() - oldest.sent_s:.1f} s went to a replica"
 
     # ---- control RPCs ---------------------------------------------------------------------------
 
@@ -176,9 +211,24 @@ class ExpertServiceClient:
         self.info = info
         return shard_from_info(self.address, info)
 
-    def token_counts(self) -> dict[ExpertKey, int]:
-        stats = self._conn.stub.GetStats(expert_pb2.StatsRequest(), timeout=self.settings.expert_timeout_s)
-        return {ExpertKey(layer, expert): n for layer, expert, n in zip(stats.layers, stats.experts, stats.tokens)}
+    def ask_token_counts(self) -> grpc.Future | None:
+        """GetStats, sent (None for a service unhealthy or lagging: no answer expected soon)."""
+        if not self.healthy or self.lagging:
+            return None
+        return self._conn.stub.GetStats.future(expert_pb2.StatsRequest(), timeout=self.settings.stats_timeout_s)
+
+    def token_counts(self, asked: grpc.Future | None) -> dict[ExpertKey, int]:
+        """The answer to `asked`, or the last one when it failed or there was none: /metrics must
+        not wait on a silent service, nor drop its experts' counts while it is away."""
+        try:
+            stats = asked.result() if asked is not None else None
+        except grpc.RpcError as e:
+            log.info("expert service %s: GetStats failed: %s", self.address, e.code().name)
+            stats = None
+        if stats is not None:
+            self._token_counts = {ExpertKey(layer, expert): n
+                                  for layer, expert, n in zip(stats.layers, stats.experts, stats.tokens)}
+        return self._token_counts
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -250,39 +300,80 @@ class ExpertServiceClient:
                expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> Hop:
         """Send one layer's part without waiting: hops to several services, and several hops to
         one service (up to proto.doorbell.NUM_SLOTS), overlap."""
+        if self._abandoned:  # only when no replica was left: its slots and order first
+            self.read_abandoned(block=True)
         link = self._conn.link
         sent_s = time.perf_counter()
         if link is None:
             return Hop(None, None, layer, sent_s, 0, error=self.last_error)
+        num_rows = hidden.shape[0] if rows is None else rows.numel()
         try:
             ticket, sent_bytes = link.submit(layer, hidden, rows, expert_ids, expert_weights)
         except (OSError, ValueError) as e:  # e.g. /dev/shm full, a dead socket: fails over like any other
-            return Hop(link, None, layer, sent_s, 0, error=_one_line(e))
-        return Hop(link, ticket, layer, sent_s, sent_bytes)
+            return Hop(link, None, layer, sent_s, 0, num_rows, error=_one_line(e))
+        return Hop(link, ticket, layer, sent_s, sent_bytes, num_rows)
 
-    def wait(self, hop: Hop) -> torch.Tensor:
+    def wait(self, hop: Hop, hedge: bool = False) -> torch.Tensor:
         """The hop's output [rows, D]; a view valid until this service's next submit.
 
-        HopFailed (no answer: the service is marked unhealthy) or ExpertRequestError (it answered
-        with an error: it stays healthy, the link stays open).
+        HopFailed (no answer: the service is marked unhealthy), HopLate (`hedge`: no answer within
+        the learned budget; the hop is abandoned, the service stays healthy and becomes `lagging`)
+        or ExpertRequestError (it answered with an error: it stays healthy, the link stays open).
         """
         try:
-            reply = self._reply(hop)
+            reply = self._reply(hop, self.budget.after_s(hop.num_rows) if hedge else None)
+        except HopLate:
+            self._abandoned.append(hop)
+            log.info("expert service %s: layer %d hop unanswered after %.3f s, sent to a replica",
+                     self.address, hop.layer, time.perf_counter() - hop.sent_s)
+            raise
         except HopFailed as e:
             self.mark_unhealthy(hop.link, str(e))
             raise
-        hop_s = time.perf_counter() - hop.sent_s
         out = reply.output
-        self.counters.add(hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, out.nbytes)
+        self._count(hop, reply)
         return out
 
-    def _reply(self, hop: Hop) -> Reply:
-        """The hop's answer within the deadline (counted from its sending), else HopFailed;
-        ExpertRequestError when the service answered with an error."""
+    def read_abandoned(self, block: bool = False) -> None:
+        """Read the answers of abandoned hops that came (all of them, `block`: each by its
+        deadline); a hop past its deadline, or a dead link, marks the service unhealthy."""
+        while self._abandoned:
+            try:
+                hop = self._abandoned[0]
+            except IndexError:  # the link ended meanwhile (another thread): nothing more to read
+                return
+            deadline_s = hop.sent_s + self.settings.expert_timeout_s
+            try:
+                reply = hop.link.poll(hop.ticket, deadline_s if block else float("-inf"))
+            except HopFailed as e:
+                self.mark_unhealthy(hop.link, str(e))
+                return
+            if reply is None:
+                if time.perf_counter() >= deadline_s:
+                    self.mark_unhealthy(hop.link, f"no answer within expert_timeout_s={self.settings.expert_timeout_s:g}")
+                return
+            if self._abandoned and self._abandoned[0] is hop:
+                self._abandoned.popleft()
+            self._count(hop, reply)
+            log.info("expert service %s answered an abandoned hop after %.3f s", self.address, reply.hop_s)
+
+    def _count(self, hop: Hop, reply: Reply) -> None:
+        received_bytes = reply.output.nbytes if reply.output is not None else 0
+        self.counters.add(reply.hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, received_bytes)
+        self.budget.add(reply.hop_s, hop.num_rows)
+
+    def _reply(self, hop: Hop, late_after_s: float | None = None) -> Reply:
+        """The hop's answer within the deadline (counted from its sending), else HopFailed (HopLate
+        past `late_after_s`); ExpertRequestError when the service answered with an error."""
         if hop.ticket is None:
             raise HopFailed(hop.error)
         timeout_s = self.settings.expert_timeout_s
-        reply = hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
+        if late_after_s is not None and late_after_s < timeout_s:
+            reply = hop.link.poll(hop.ticket, hop.sent_s + late_after_s)
+            if reply is None:
+                raise HopLate(f"no answer within {late_after_s:.3f} s")
+        else:
+            reply = hop.link.wait(hop.ticket, hop.sent_s + timeout_s, timeout_s)
         if reply.error:
             raise ExpertRequestError(self.address, hop.layer, reply.error)
         return reply
@@ -295,7 +386,12 @@ class ExpertServiceClient:
                    # gRPC's default backoff grows to 120 s: a restarted expert service must be
                    # found again within a second or two, not minutes later.
                    ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.max_reconnect_backoff_ms", 1000),
+                   # A peer that stops answering (a partition, a hung host) sends no RST: without
+                   # pings its stream would wait for the hop deadline, or forever while idle.
+                   ("grpc.keepalive_time_ms", int(self.settings.keepalive_s * 1000)),
+                   ("grpc.keepalive_timeout_ms", int(self.settings.keepalive_s * 1000)),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
         channel = self.settings.security.channel(self.address, options, self.server_name)
         return _Connection(channel, expert_pb2_grpc.ExpertServiceStub(channel))
 
@@ -366,6 +462,7 @@ class ExpertServiceClient:
         if conn.link is not None:
             conn.link.close()
         conn.link = None
+        self._abandoned.clear()  # their link is closed: nothing more to read
 
 
 def _one_line(e: Exception) -> str:

@@ -5,7 +5,9 @@ checks that every remote (layer, expert) is hosted, and opens each service's lin
 layer's routed slots are planned by service (experts/split.py) under the current health: a dead
 service's experts go to a replica, one marked unhealthy is tried again once its reconnect interval
 has passed, and a background thread revives the unhealthy services and checks the healthy ones'
-shards.
+shards. A hop late past its service's learned budget is re-sent to a replica when one is healthy
+(the late service is then left out while `lagging`: service_client.py), so a silent host costs a
+stream a fraction of a second, not the hop deadline.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from splitmoe.attention_service.experts.backend import HopStats, ServiceHealth
 from splitmoe.attention_service.experts.load_plan import HeatBudget
 from splitmoe.attention_service.experts.placement import (
+    NO_OWNER,
     ExpertsUnavailable,
     Placement,
     ServiceShard,
@@ -84,6 +87,7 @@ class ExpertServices:
                          for address, host in resolve_addresses(settings.addresses)]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
         self.meter = ImbalanceMeter(len(self._clients))
+        self._hedgeable: dict[tuple[int, int, tuple[bool, ...]], bool] = {}
         self._stop = threading.Event()
         try:
             self.placement = _connect(g, self._clients, list(layers), settings)
@@ -102,9 +106,14 @@ class ExpertServices:
     def plan(self, layer: int, work: torch.Tensor) -> list[ServicePart]:
         """`work` (a layer's routing table, -1: not wanted) split by the healthy service computing
         each slot; ExpertsUnavailable when some wanted expert has none."""
-        parts, orphans = split_by_service(work, self._owners(layer))
+        if self._lagging:
+            for client in self._clients:
+                client.read_abandoned()
+        parts, orphans = split_by_service(work, self._owners(layer, self._available()))
+        if orphans.numel():  # a lagging service is better than none
+            parts, orphans = split_by_service(work, self._owners(layer, self._healthy()))
         if orphans.numel() and self._revive_for(layer, orphans):
-            parts, orphans = split_by_service(work, self._owners(layer))
+            parts, orphans = split_by_service(work, self._owners(layer, self._healthy()))
         if orphans.numel():
             raise self._unavailable(layer, orphans)
         self.meter.add(parts)
@@ -115,8 +124,9 @@ class ExpertServices:
         return self._clients[part.service].submit(layer, hidden, part.rows, part.expert_ids, expert_weights)
 
     def wait(self, part: ServicePart, hop: Hop) -> torch.Tensor:
-        """The part's output (see ExpertServiceClient.wait: HopFailed, ExpertRequestError)."""
-        return self._clients[part.service].wait(hop)
+        """The part's output (see ExpertServiceClient.wait: HopFailed, HopLate, ExpertRequestError).
+        Only a hop whose experts another service could compute now is given up as late."""
+        return self._clients[part.service].wait(hop, hedge=self._can_hedge(hop.layer, part.service))
 
     def describe_failures(self) -> str:
         return "; ".join(f"{c.address} ({c.last_error})" for c in self._clients if not c.healthy)
@@ -124,7 +134,13 @@ class ExpertServices:
     # ---- what the attention service publishes ----------------------------------------------------
 
     def health(self) -> dict[str, ServiceHealth]:
-        return {c.address: ServiceHealth(c.healthy, c.shard, c.transport, c.last_error) for c in self._clients}
+        """Per service; a lagging one is reported unhealthy (it is left out), before keepalive or its
+        deadline decides whether it is."""
+        health = {}
+        for c in self._clients:
+            lag = c.lag_reason() if c.healthy else ""
+            health[c.address] = ServiceHealth(c.healthy and not lag, c.shard, c.transport, lag or c.last_error)
+        return health
 
     def stats(self) -> dict[str, HopStats]:
         # Unlocked: a hop may hold the data path for up to expert_timeout_s; a torn read of the
@@ -132,17 +148,12 @@ class ExpertServices:
         return {c.address: c.counters.snapshot(c.transport) for c in self._clients}
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
-        """Tokens each (layer, expert) computed, summed over the healthy services (GetStats)."""
+        """Tokens each (layer, expert) computed, summed over the services (GetStats, asked of all at
+        once, within stats_timeout_s; a service that does not answer counts with its last answer)."""
+        asked = [client.ask_token_counts() for client in self._clients]
         totals: dict[ExpertKey, int] = {}
-        for client in self._clients:
-            if not client.healthy:
-                continue
-            try:
-                counts = client.token_counts()
-            except grpc.RpcError as e:
-                log.warning("expert service %s: GetStats failed: %s", client.address, e.code().name)
-                continue
-            for key, num_tokens in counts.items():
+        for client, future in zip(self._clients, asked):
+            for key, num_tokens in client.token_counts(future).items():
                 totals[key] = totals.get(key, 0) + num_tokens
         return totals
 
@@ -165,7 +176,7 @@ class ExpertServices:
     def switch_to(self, placement: Placement) -> None:
         """Second step, between layer calls (InFlightCalls.drained): plan on the new placement."""
         self.placement = placement
-        self._owner_tables = {}
+        self._owner_tables, self._hedgeable = {}, {}
 
     def release_old(self, targets: Sequence[ServiceShard]) -> None:
         """Last step, once no call planned on the old placement is in flight: drop the old pairs."""
@@ -176,6 +187,11 @@ class ExpertServices:
             client.shard = dataclasses.replace(target, hostname=client.shard.hostname)
             client.shard = client.load(target)
 
+    def uncovered_layers(self) -> list[int]:
+        """Layers some expert of which no healthy service hosts now: requests routed there fail."""
+        healthy = self._healthy()
+        return [layer for layer in self.placement.layers if not self._owners(layer, healthy).complete]
+
     def close(self) -> None:
         self._stop.set()
         for client in self._clients:
@@ -183,8 +199,32 @@ class ExpertServices:
 
     # ---- internals ------------------------------------------------------------------------------
 
-    def _owners(self, layer: int) -> OwnerTable:
-        healthy = tuple(c.healthy for c in self._clients)
+    @property
+    def _lagging(self) -> bool:
+        return any(c.lagging for c in self._clients)
+
+    def _healthy(self) -> tuple[bool, ...]:
+        return tuple(c.healthy for c in self._clients)
+
+    def _available(self) -> tuple[bool, ...]:
+        return tuple(c.healthy and not c.lagging for c in self._clients)
+
+    def _can_hedge(self, layer: int, service: int) -> bool:
+        """Whether every expert of `layer` that `service` hosts has another available replica (a
+        lagging service runs only what nobody else can: never hedged)."""
+        if self._clients[service].lagging:
+            return False
+        available = self._available()
+        key = (layer, service, available)
+        hedgeable = self._hedgeable.get(key)
+        if hedgeable is None:  # once per layer, service and health state
+            experts = list(self.placement.shards[service].experts_in(layer))
+            others = tuple(ok and i != service for i, ok in enumerate(available))
+            slots = self._owners(layer, others).slots  # [E + 1], or [R, E + 1] dealt by token row
+            hedgeable = self._hedgeable[key] = bool(experts) and bool((slots[..., experts] != NO_OWNER).all())
+        return hedgeable
+
+    def _owners(self, layer: int, healthy: tuple[bool, ...]) -> OwnerTable:
         table = self._owner_tables.get((layer, healthy))
         if table is None:  # once per layer and health state: a handful per run
             placement = self.placement

@@ -1,31 +1,60 @@
-"""GET /health and GET /metrics: probes and scrapes, answered from the attention service's stats."""
+"""GET /health and GET /metrics: probes and scrapes, answered from the attention service's stats.
+
+Both wait for the attention service at most `timeout_s` (a second, less than probes' own
+deadlines): it answers GetStats from what it already knows of its expert services (health kept
+by keepalive and hop deadlines, token counts asked with a short deadline), so a silent expert
+host cannot hold a probe, nor be blamed on the attention service.
+"""
 from __future__ import annotations
 
+import asyncio
+
 from splitmoe.gateway.attention_client import AttentionError
+from splitmoe.gateway.attention_types import AttentionStats, HopStats
 from splitmoe.gateway.handlers.base import Handler
 from splitmoe.gateway.openai_types import ErrorResponse, error_response
 
 
 class OpsHandler(Handler):
-    """GET /health (503 while the model loads or an expert service is down) and GET /metrics."""
+    """GET /health: 503 while the model loads or some expert has no healthy service left; 200
+    `degraded` while replicas stand in for an unhealthy service. GET /metrics."""
 
-    async def health(self) -> ErrorResponse | dict:
+    def __init__(self, *args, timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout_s = timeout_s  # GatewaySettings.health_timeout_s
+
+    async def health(self, name_services: bool = False) -> ErrorResponse | dict:
+        """`name_services`: the caller may read /metrics, so the body may name the expert
+        services at fault (their addresses are internal)."""
         try:
-            info = await self.model.info()
-            if not info.ready:
-                return error_response(503, "the model is still loading", code="loading")
-            stats = await self.client.stats()
+            async with asyncio.timeout(self.timeout_s):
+                info = await self.model.info()
+                if not info.ready:
+                    return error_response(503, "the model is still loading", code="loading")
+                stats = await self.client.stats(self.timeout_s)
+        except TimeoutError:
+            return error_response(503, f"attention service unavailable: no answer within {self.timeout_s:g} s",
+                                  code="unavailable")
         except AttentionError as e:  # not logged: probes come every few seconds
             return error_response(503, f"attention service unavailable: {e.message}", code="unavailable")
-        down = sum(not hop.healthy for hop in stats.hops)
-        if down:  # which ones: /metrics, behind the API key (addresses are internal)
-            return error_response(503, f"{down} of {len(stats.hops)} expert services unhealthy",
-                                  code="expert_unhealthy")
-        return {"status": "ok"}
+        down = [hop for hop in stats.hops if not hop.healthy]
+        if not down:
+            return {"status": "ok"}
+        summary = f"{len(down)} of {len(stats.hops)} expert services unhealthy"
+        which = f": {describe(down)}" if name_services else ""
+        if stats.uncovered_layers:
+            return error_response(503, f"{summary}{which}", code="expert_unhealthy")
+        return {"status": "degraded", "message": f"{summary}, replicas serve their experts{which}"}
 
     async def metrics_text(self) -> bytes:
+        return self.metrics.render(await self._stats())
+
+    async def _stats(self) -> AttentionStats | None:
         try:
-            stats = await self.client.stats()
+            return await self.client.stats(self.timeout_s)
         except AttentionError:
-            stats = None  # still expose the gateway's own metrics; attention_service_up reads 0
-        return self.metrics.render(stats)
+            return None  # still expose the gateway's own metrics; attention_service_up reads 0
+
+
+def describe(hops: list[HopStats]) -> str:
+    return "; ".join(f"{hop.address} ({hop.last_error or 'unhealthy'})" for hop in hops)

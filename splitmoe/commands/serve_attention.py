@@ -49,6 +49,12 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
     ("--transport", dict(choices=["auto", "grpc", "shm"], default="auto",
                          help="auto: shared memory to expert services on this host, gRPC to the others")),
     ("--expert-timeout-s", dict(type=float, default=30.0, help="deadline of every expert hop, in seconds")),
+    ("--expert-keepalive-s", dict(type=float, default=0.5,
+                                  help="gRPC ping interval to each expert service, and how long its answer may "
+                                       "take: a silent host is found within about twice this")),
+    ("--hedge-after-s", dict(type=float, default=0.25,
+                             help="a hop is re-sent to a replica no sooner than this, nor before 4x its service's "
+                                  "learned 99th percentile (see the README, Faults across hosts)")),
     ("--experts-per-token", dict(type=int, default=0, metavar="K",
                                  help="routed experts per token (0: the model's own); requests may override it")),
     ("--reasoning-format", dict(choices=["auto", "none"], default="auto",
@@ -126,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching == "on")
     experts = RemoteExpertsSettings(
         addresses=args.expert_services, expert_timeout_s=args.expert_timeout_s, transport=args.transport,
+        keepalive_s=args.expert_keepalive_s, hedge_floor_s=args.hedge_after_s,
         local_layers=args.local_experts, local_by_heat=HeatBudget.parse(args.local_experts_by_heat or "0"),
         heat_file=args.heat_file, heat_half_life_s=args.heat_half_life_s,
         rebalance_spare_slots=args.rebalance_spare_slots, auto_rebalance_imbalance=args.auto_rebalance,

@@ -25,7 +25,12 @@ def _index_range(text: str) -> tuple[int, ...]:
 
 def _cpu_list(text: str) -> frozenset[int]:
     """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}, as taskset and docker --cpuset-cpus write it."""
-    return frozenset(cpu for part in text.split(",") if part for cpu in _index_range(part))
+    from splitmoe.runtime.topology import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=_index_range, help="block indices to host, A-B inclusive (default: all MoE layers)")
     p.add_argument("--experts", type=_index_range, help="expert ids to host, X-Y inclusive (default: all)")
     p.add_argument("--threads", type=int, help="torch threads for the expert kernels")
-    p.add_argument("--cpus", type=_cpu_list, help="pin the process to these CPUs, e.g. 0-7,16-23")
+    pinning = p.add_mutually_exclusive_group()
+    pinning.add_argument("--cpus", type=_cpu_list, help="pin the process to these CPUs, e.g. 0-7,16-23")
+    pinning.add_argument("--numa-node", type=int, metavar="N",
+                         help="pin the process to NUMA node N's CPUs (its pages then land on N's memory); "
+                              "--threads defaults to their number")
     p.add_argument("--unassigned", action="store_true",
                    help="start with no experts; the attention service assigns a shard with LoadShard")
     p.add_argument("--no-doorbell", dest="doorbell", action="store_false",
@@ -51,10 +60,16 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     from splitmoe.expert_service.settings import ExpertServiceSettings
     from splitmoe.runtime.settings import otlp_endpoint
 
+    cpus, threads = args.cpus, args.threads
+    if args.numa_node is not None:
+        from splitmoe.runtime.topology import node_of
+
+        cpus = node_of(args.numa_node).cpus  # ValueError naming the nodes there are
+        threads = threads or len(cpus)
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
-        unassigned=args.unassigned, num_threads=args.threads, cpus=args.cpus, otlp_endpoint=otlp_endpoint(),
-        doorbell=args.doorbell, security=cluster_security(args))
+        unassigned=args.unassigned, num_threads=threads, cpus=cpus, numa_node=args.numa_node,
+        otlp_endpoint=otlp_endpoint(), doorbell=args.doorbell, security=cluster_security(args))
     return serve_experts(settings)
 
 
@@ -77,21 +92,40 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     port = server.start()
-    logging.getLogger("splitmoe.serve_experts").info(
-        "ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
-        describe_shard(hosted.describe()), memory_line())
+    log = logging.getLogger("splitmoe.serve_experts")
+    log.info("ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
+             describe_shard(hosted.describe()), memory_line())
+    if settings.numa_node is not None:
+        _log_numa_placement(log, settings.numa_node)
     stop.wait()
     server.stop()
     return 0
 
 
-def _apply_cpu_settings(settings: ExpertServiceSettings) -> None:
-    import os
+def _log_numa_placement(log, node: int) -> None:
+    """Where the loaded shard's pages are, as the kernel reports them: pages of the file read
+    before this service started (by another process) stay on the node that read them."""
+    import logging
 
+    from splitmoe.runtime.topology import memory_by_node
+
+    by_node = memory_by_node()
+    total = sum(by_node.values())
+    if not total:
+        return
+    line = ", ".join(f"node {n} {b / 2**20:.0f} MiB" for n, b in sorted(by_node.items()))
+    local = by_node.get(node, 0) / total
+    log.log(logging.INFO if local >= 0.9 else logging.WARNING,
+            "NUMA node %d: %.0f%% of this process's pages are on its memory (%s)", node, 100 * local, line)
+
+
+def _apply_cpu_settings(settings: ExpertServiceSettings) -> None:
     import torch
 
+    from splitmoe.runtime.topology import pin_process
+
     if settings.cpus is not None:
-        os.sched_setaffinity(0, settings.cpus)
+        pin_process(settings.cpus)  # before the shard loads: its pages are first touched from there
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
 

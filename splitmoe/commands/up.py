@@ -29,6 +29,7 @@ from splitmoe.local_stack import (
     expert_specs,
     gateway_spec,
     make_run_dir,
+    num_expert_services,
 )
 from splitmoe.run_dirs import record_run
 from splitmoe.runtime.settings import new_cluster_token
@@ -44,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 2; 0 keeps the experts in the attention process)")
     p.add_argument("--host", default="127.0.0.1", help="the gateway's address (other services use loopback)")
     p.add_argument("--port", type=int, default=8000, help="the gateway's port (0: any free port)")
+    p.add_argument("--numa", action="store_true",
+                   help="one expert service per NUMA node, pinned to its CPUs, its pages on its memory, the "
+                        "experts split between the nodes (replaces --expert-services; see the README, NUMA)")
     p.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads split between the expert services (default: the CPUs this process may "
                         "use); the attention service gets T too, as it computes while the experts wait")
@@ -64,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if settings.port:
         check_port_free(settings.host, settings.port)
     num_experts = expert_count_of(settings.model_path)
-    if settings.num_expert_services:
-        expert_ranges(num_experts, settings.num_expert_services)  # a bad split fails before anything starts
+    if num_expert_services(settings, num_experts):  # a bad split fails before anything starts
+        expert_ranges(num_experts, num_expert_services(settings, num_experts))
     run_dir = make_run_dir(settings.run_dir)
     record_run(run_dir, settings.cluster_token)  # for `splitmoe rebalance` and `splitmoe heatmap`
     _say(f"splitmoe up: {Path(settings.model_path).name}, {num_experts} experts per layer; "
@@ -95,7 +99,7 @@ def _settings(args: argparse.Namespace) -> UpSettings:
     return UpSettings(model_path=model, num_expert_services=args.expert_services, host=args.host, port=args.port,
                       threads=args.threads, api_key=api_key(args),
                       attention_options=tuple(serving_options_argv(args)), run_dir=args.run_dir,
-                      startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s,
+                      startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s, numa=args.numa,
                       cluster_token=settings.cluster_token() or new_cluster_token())
 
 
@@ -106,7 +110,7 @@ def _say(line: str) -> None:
 def _start(supervisor: Supervisor, settings: UpSettings, num_experts: int) -> None:
     from splitmoe.supervisor import free_port
 
-    expert_ports = [free_port() for _ in range(settings.num_expert_services)]
+    expert_ports = [free_port() for _ in range(num_expert_services(settings, num_experts))]
     if expert_ports:
         supervisor.start_stage(expert_specs(settings, num_experts, expert_ports))
     attention = attention_spec(settings, free_port(), [f"127.0.0.1:{p}" for p in expert_ports])

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from splitmoe.attention_service.experts.backend import InProcessExperts
+from splitmoe.attention_service.experts.hop_budget import MIN_MEASURED_HOPS
 from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.experts.services import resolve_addresses
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
@@ -248,6 +249,40 @@ def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
 
 # ---- replicas -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_hung_replica_costs_a_layer_call_its_learned_budget_not_the_deadline(services, demo_gguf, transport):
+    g = GGUFFile(demo_gguf)
+    addresses = [services.address(n) for n in ("low", "high", "spare1", "spare2")]
+    low, high = addresses[:2]
+    with remote(g, *addresses, transport=transport, expert_timeout_s=30.0) as backend:
+        hidden, ids, weights = routing(4)
+        expected = [backend.forward(layer, hidden, ids, weights) for layer in (0, 1)]
+        for _ in range(MIN_MEASURED_HOPS):  # every service's budget learned (layer 1 goes to the spares)
+            for layer in (0, 1):
+                backend.forward(layer, hidden, ids, weights)
+        before = backend.stats()[high]
+        services.pause("low")  # layer 0's first replica: silent, its connections open
+        try:
+            start_s = time.monotonic()
+            out = backend.forward(0, hidden, ids, weights)
+            took_s = time.monotonic() - start_s
+            assert torch.equal(out, expected[0]) and took_s < 1.0  # the spare answered; not the 30 s deadline
+            # high answered at once: the time low kept the layer call waiting is not charged to it
+            after = backend.stats()[high]
+            assert after.num_hops == before.num_hops + 1 and after.hop_s_total - before.hop_s_total < 0.1
+            low_hops = backend.stats()[low].num_hops  # low is left out now: nothing sent to it, nothing waited
+            assert torch.equal(backend.forward(0, hidden, ids, weights), expected[0])
+            assert backend.stats()[low].num_hops == low_hops and backend.health()[low].transport
+        finally:
+            services.resume("low")
+        deadline_s = time.monotonic() + 10  # its late answer is read, or keepalive ended its stream: back
+        while not (backend.health()[low].healthy and backend.stats()[low].num_hops > before.num_hops):
+            assert time.monotonic() < deadline_s, backend.health()[low]
+            backend.forward(0, hidden, ids, weights)
+            time.sleep(0.05)
+        assert torch.equal(backend.forward(0, hidden, ids, weights), expected[0])
+
+
 def test_replica_killed_mid_request_is_retried_on_another(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     expected = logits(demo_gguf, InProcessExperts(g))
@@ -268,3 +303,4 @@ def test_replica_killed_mid_request_is_retried_on_another(services, demo_gguf):
         assert (result["logits"] - expected).abs().max() <= 1e-5
         assert not backend.health()[services.address("spare2")].healthy
         assert (logits(demo_gguf, backend) - expected).abs().max() <= 1e-5
+

@@ -71,9 +71,10 @@ def wait_grpc_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Po
     raise TimeoutError(f"service at {address} not serving after {timeout_s} s")
 
 
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+def spawn(args: list[str], log_path: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`extra_env`: secrets the command reads from its environment (never from its command line)."""
     log = open(log_path, "wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", CLUSTER_TOKEN_ENV: CLUSTER.token}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", CLUSTER_TOKEN_ENV: CLUSTER.token, **(extra_env or {})}
     return subprocess.Popen([sys.executable, "-m", "splitmoe", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env)
 
