@@ -95,7 +95,9 @@ def instrument(runner, timers: Timers) -> None:
 
     for module in (attention, mla, transformer):
         timers.wrap(module, "linear", label_of=linear_label)
-        timers.wrap(module, "rms_norm", "rms_norm")
+    for module in (attention, mla):
+        timers.wrap(module, "rms_norm", "norm")
+    timers.wrap(runner.model, "norm", "norm")  # the architecture's norm (RMSNorm or LayerNorm), bound at init
     timers.wrap(LinearGroup, "__call__", label_of=lambda group, *rest: names.get(id(group), "other linear"))
     timers.wrap(AttentionFront, "__call__", "attention front (native, fused)")
     timers.wrap(transformer.MoETransformer, "_shared", "shared expert")
