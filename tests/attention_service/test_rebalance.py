@@ -7,25 +7,21 @@ products per token (a + b == b + a): the logits must be bit-identical, not merel
 import json
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from splitmoe.attention_service.experts.heat import load_heat
 from splitmoe.attention_service.experts.load_plan import HeatBudget
-from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
-from tests.support.expert_services import ExpertServices
-from tests.support.processes import CLUSTER
+from tests.support.expert_services import ExpertServices, remote_experts
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 OPTIONS = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=512)
-FAST = dict(expert_timeout_s=10.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0,
-            security=CLUSTER)
+EXPERT_TIMEOUT_S = 10.0
 PROMPTS = [[5, 17, 30, 42, 7, 99], [250, 3, 11, 64], [128, 200, 271, 0, 9], [1, 2, 3]]
 NUM_LAYERS, NUM_EXPERTS = 2, 8  # the demo model's
 
@@ -43,13 +39,8 @@ def services(demo_gguf, tmp_path_factory):
         s.stop_all()
 
 
-@contextmanager
 def remote(g, *addresses, **settings):
-    backend = RemoteExperts(g, RemoteExpertsSettings(addresses=tuple(addresses), **{**FAST, **settings}))
-    try:
-        yield backend
-    finally:
-        backend.close()
+    return remote_experts(g, *addresses, **{"expert_timeout_s": EXPERT_TIMEOUT_S, **settings})
 
 
 def skewed_rates(hot=(0, 1), seed=0) -> torch.Tensor:

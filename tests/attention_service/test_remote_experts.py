@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 from splitmoe.attention_service.experts.backend import InProcessExperts
 from splitmoe.attention_service.experts.hop_budget import MIN_MEASURED_HOPS
-from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.experts.remote import ExpertsUnavailable
 from splitmoe.attention_service.experts.services import resolve_addresses
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
@@ -27,14 +26,13 @@ from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import attention_pb2
 from splitmoe.runtime.cluster_auth import ClusterSecurity
-from tests.support.expert_services import ExpertServices
-from tests.support.processes import CLUSTER, free_port
+from tests.support.expert_services import ExpertServices, remote_experts
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 PROMPT = [5, 17, 30, 42, 7, 99, 250, 3, 11, 64, 128, 200, 271, 0]
 OPTIONS = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=64)
-FAST = dict(expert_timeout_s=3.0, connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0,
-            security=CLUSTER)
+EXPERT_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +55,8 @@ def services(demo_gguf, tmp_path_factory, request):
         s.stop_all()
 
 
-@contextmanager
 def remote(g, *addresses, **settings):
-    backend = RemoteExperts(g, RemoteExpertsSettings(addresses=tuple(addresses), **{**FAST, **settings}))
-    try:
-        yield backend
-    finally:
-        backend.close()
+    return remote_experts(g, *addresses, **{"expert_timeout_s": EXPERT_TIMEOUT_S, **settings})
 
 
 def logits(path, backend=None, prompt=PROMPT):
@@ -299,7 +292,7 @@ def test_replica_killed_mid_request_is_retried_on_another(services, demo_gguf):
         time.sleep(0.5)
         services.kill("spare2")  # ...then dies with the request in flight
         step.join(30)
-        assert time.monotonic() - start_s < FAST["expert_timeout_s"]  # failed over, not timed out
+        assert time.monotonic() - start_s < EXPERT_TIMEOUT_S  # failed over, not timed out
         assert (result["logits"] - expected).abs().max() <= 1e-5
         assert not backend.health()[services.address("spare2")].healthy
         assert (logits(demo_gguf, backend) - expected).abs().max() <= 1e-5

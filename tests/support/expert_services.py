@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from tests.support.processes import free_port, spawn, wait_grpc_serving
+from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+from tests.support.processes import CLUSTER, free_port, spawn, wait_grpc_serving
+
+# Short timeouts for tests: a dead service is noticed in a fraction of a second.
+FAST_SETTINGS = dict(connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wait_s=60.0, security=CLUSTER)
 
 
 class ExpertServices:
@@ -71,3 +77,13 @@ def _task_state(task: Path) -> str:
         return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "T"  # the thread is gone: nothing there to answer
+
+
+@contextmanager
+def remote_experts(g, *addresses: str, **settings) -> Iterator[RemoteExperts]:
+    """A RemoteExperts backend over `addresses` with FAST_SETTINGS (overridden by `settings`), closed after."""
+    backend = RemoteExperts(g, RemoteExpertsSettings(addresses=tuple(addresses), **{**FAST_SETTINGS, **settings}))
+    try:
+        yield backend
+    finally:
+        backend.close()
