@@ -265,15 +265,17 @@ class ExpertServiceClient:
         """Mark a healthy service unhealthy once it no longer hosts what the placement relies on
         it for (someone loaded another shard into it, or emptied it): its hops would compute
         nothing for those experts. A revive then loads the shard again into an empty service."""
-        link = self._conn.link
-        if not self.healthy or self.shard.is_empty:
+        link, planned = self._conn.link, self.shard
+        if not self.healthy or planned.is_empty:
             return
         try:
             reported = self.describe(self.settings.connect_timeout_s)
         except grpc.RpcError:
             return  # a service that does not answer is the link's to detect (EOF, hop deadline)
-        if not reported.covers(self.shard):
-            self.mark_unhealthy(link, f"it hosts {reported.label()}, the placement needs {self.shard.label()}")
+        # A rebalance may have loaded a new shard while the answer was on its way: the answer is
+        # then judged against the shard it was asked about, and a changed plan is checked next time.
+        if not reported.covers(planned) and self.shard is planned:
+            self.mark_unhealthy(link, f"it hosts {reported.label()}, the placement needs {planned.label()}")
 
     def mark_unhealthy(self, link: Link | None, error: str) -> None:
         """The link failed: drop it (only if it is still the current one) and report why."""
