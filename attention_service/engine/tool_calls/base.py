@@ -256,3 +256,40 @@ class StatesParser(ToolCallParser):
 
     def _step(self, final: bool) -> bool:
         return getattr(self, "_" + self._state)(final)
+
+
+class SectionedCallsParser(StatesParser):
+    """Calls inside a section: `SECTION_BEGIN (CALL_BEGIN header arguments CALL_END)* SECTION_END`
+    (DeepSeek's and Kimi-K2's formats). A subclass reads the header (`_header`: name or id, up to
+    where the arguments start, then moves to "args"); the arguments stream until one of
+    `ARGS_ENDS`. A model that skips the section marker goes straight to the call."""
+
+    SECTION_BEGIN = SECTION_END = CALL_BEGIN = CALL_END = ""
+    ARGS_ENDS: tuple[str, ...] = ()
+
+    def _content(self, final: bool) -> bool:
+        marker = self._content_until((self.SECTION_BEGIN, self.CALL_BEGIN), final)
+        if marker is None:
+            return False
+        self._state = "section" if marker == self.SECTION_BEGIN else "header"
+        return True
+
+    def _section(self, final: bool) -> bool:
+        """Between calls: the next call, or the end of the section."""
+        marker = self._skip_until((self.CALL_BEGIN, self.SECTION_END), final)
+        if marker is None:
+            return False
+        self._state = "header" if marker == self.CALL_BEGIN else "content"
+        return True
+
+    def _args(self, final: bool) -> bool:
+        if not self._stream_arguments(self.ARGS_ENDS, final):
+            return False
+        self._state = "callend"
+        return True
+
+    def _callend(self, final: bool) -> bool:
+        if self._skip_until((self.CALL_END,), final) is None:
+            return False
+        self._state = "section"
+        return True

@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import re
 
-from splitmoe.attention_service.engine.tool_calls.base import StatesParser
+from splitmoe.attention_service.engine.tool_calls.base import SectionedCallsParser
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 _ID = re.compile(r"(?:functions\.)?(?P<name>.+?)(?::\d+)?")
 
-_CONTENT, _SECTION, _HEADER, _ARGS, _CALL_END = "content", "section", "header", "args", "callend"
 
-
-class KimiK2Parser(StatesParser):
-    def _content(self, final: bool) -> bool:
-        marker = self._content_until((SECTION_BEGIN, CALL_BEGIN), final)
-        if marker is None:
-            return False
-        self._state = _SECTION if marker == SECTION_BEGIN else _HEADER
-        return True
-
-    def _section(self, final: bool) -> bool:
-        marker = self._skip_until((CALL_BEGIN, SECTION_END), final)
-        if marker is None:
-            return False
-        self._state = _HEADER if marker == CALL_BEGIN else _CONTENT
-        return True
+class KimiK2Parser(SectionedCallsParser):
+    SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END = SECTION_BEGIN, SECTION_END, CALL_BEGIN, CALL_END
+    ARGS_ENDS = (CALL_END, SECTION_END)
 
     def _header(self, final: bool) -> bool:
         at = self._buffer.find(ARGS_BEGIN)
@@ -43,17 +30,5 @@ class KimiK2Parser(StatesParser):
         call_id, self._buffer = self._buffer[:at].strip(), self._buffer[at + len(ARGS_BEGIN):]
         match = _ID.fullmatch(call_id)
         self._begin_call(match["name"] if match else "", call_id or "")
-        self._state = _ARGS
-        return True
-
-    def _args(self, final: bool) -> bool:
-        if not self._stream_arguments((CALL_END, SECTION_END), final):
-            return False
-        self._state = _CALL_END
-        return True
-
-    def _callend(self, final: bool) -> bool:
-        if self._skip_until((CALL_END,), final) is None:
-            return False
-        self._state = _SECTION
+        self._state = "args"
         return True
