@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import threading
+import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,30 @@ def _template_kwargs(chat: pb.ChatPrompt) -> dict:
     return kwargs
 
 
+class LoopMailbox:
+    """Hands the engine thread's outputs to the event loop, one wake-up for all that arrive
+    together: a decode step's outputs of every stream then cost the loop one self-pipe write
+    and one callback, not one of each per stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
+
+    def post(self, queue: asyncio.Queue, output: RequestOutput) -> None:
+        with self._lock:
+            self._pending.append((queue, output))
+            if len(self._pending) > 1:
+                return  # a wake-up is on its way and takes this one too
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, output in pending:
+            queue.put_nowait(output)
+
+
 class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
     def __init__(self):
         self.model: ServingModel | None = None
@@ -181,6 +206,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         # Rendering and tokenizing a prompt take seconds for megabytes: never on the event loop, and on
         # threads of their own, so that GetStats' thread never waits behind them.
         self._prompts = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="prompt")
+        self._mailbox: LoopMailbox | None = None  # made on the serving loop, at the first request
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> ServingModel:
         if self.model is None:
@@ -217,11 +243,11 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             options = sampling_options(request.sampling, model.max_context_tokens - len(ids))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        loop = asyncio.get_running_loop()
+        if self._mailbox is None:
+            self._mailbox = LoopMailbox(asyncio.get_running_loop())
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
-            gen_request = model.new_request(request_id, ids, options,
-                                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+            gen_request = model.new_request(request_id, ids, options, functools.partial(self._mailbox.post, outputs),
                                             chat=request.WhichOneof("prompt") == "chat",
                                             reasoning_inline=request.reasoning_inline, grammar=grammar,
                                             tool_calling=tool_calling(request))

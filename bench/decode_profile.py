@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     sync_native_threads()
     with loaded(args) as runner, torch.inference_mode():
         cfg = runner.cfg
-        seqs = [Sequence(s, [(7 * i + 3 + s) % cfg.vocab_size for i in range(args.context)])
+        # Random prompts, as the bench draws them: streams that route alike would read fewer experts.
+        rng = torch.Generator().manual_seed(0)
+        seqs = [Sequence(s, torch.randint(cfg.vocab_size, (args.context,), generator=rng).tolist())
                 for s in range(args.streams)]
         for seq, row in zip(seqs, runner.step(seqs)):  # the prefill
             seq.token_ids.append(sample(row))

@@ -130,12 +130,17 @@ class Engine:
         sampling = [i for i, r in enumerate(step.requests) if r.seq.num_cached_tokens >= r.seq.num_tokens]
         masked = self.token_masks.masked_rows(
             logits, [(i, step.requests[i].grammar) for i in sampling if step.requests[i].grammar is not None])
+        outputs = []
         for i in sampling:
             request = step.requests[i]
             output = request.accept(request.sampler(masked.get(i, logits[i])))
             if output.finished:
                 self._finish(request)
-            request.sink(output)
+            outputs.append((request.sink, output))
+        # Handed over after the whole step's sampling: the receivers' threads (the serving loop)
+        # wake once for the step and do not take the interpreter from the sampling in between.
+        for sink, output in outputs:
+            sink(output)
 
     def _finish(self, request: GenerationRequest) -> None:
         with self._lock:

@@ -38,6 +38,7 @@ struct V {
     static float hsum(vf v) { return v; }
     static float hmax(vf v) { return v; }
     static void hsum8(const vf* a, float* out) { for (int i = 0; i < 8; ++i) out[i] = a[i]; }
+    static vf div(vf a, vf b) { return a / b; }
     static vf mul(vf a, vf b) { return a * b; }
     static vf fnmadd(vf a, vf b, vf c) { return c - a * b; }
     static vf min(vf a, vf b) { return a < b ? a : b; }
@@ -49,7 +50,7 @@ struct V {
 
 }  // namespace scalar_attn
 
-void init_attention_scalar(Kernels& k) { k.attn_unit = scalar_attn::unit; k.f32_dot = scalar_attn::f32_dot; }
+void init_attention_scalar(Kernels& k) { k.attn_unit = scalar_attn::unit; k.f32_dot = scalar_attn::f32_dot; k.glu = scalar_attn::glu; }
 
 }  // namespace smk
 

@@ -52,6 +52,7 @@ struct V {
         s = _mm_max_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
+    static vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
     static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
     static vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
     static vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
@@ -72,6 +73,6 @@ struct V {
 #pragma GCC pop_options
 #endif
 
-void smk::init_attention_avx2(Kernels& k) { k.attn_unit = avx2_attn::unit; k.f32_dot = avx2_attn::f32_dot; }
+void smk::init_attention_avx2(Kernels& k) { k.attn_unit = avx2_attn::unit; k.f32_dot = avx2_attn::f32_dot; k.glu = avx2_attn::glu; }
 
 #endif  // x86

@@ -44,6 +44,7 @@ struct V {
         const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
         _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
     }
+    static vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
     static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
     static vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
     static vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
@@ -64,6 +65,6 @@ struct V {
 #pragma GCC pop_options
 #endif
 
-void smk::init_attention_avx512(Kernels& k) { k.attn_unit = avx512_attn::unit; k.f32_dot = avx512_attn::f32_dot; }
+void smk::init_attention_avx512(Kernels& k) { k.attn_unit = avx512_attn::unit; k.f32_dot = avx512_attn::f32_dot; k.glu = avx512_attn::glu; }
 
 #endif  // x86

@@ -32,7 +32,6 @@ struct SmkExpert {
 
 namespace {
 
-constexpr float kAlpha = 1.702f, kLimit = 7.0f;
 
 
 struct MoeCtx {
@@ -73,20 +72,7 @@ void phase1(void* p, int) {
 void activate_slot(MoeCtx* c, int a, int s) {
     const SmkExpert& e = c->experts[c->act_expert[a]];
     float* g = c->G + size_t(s) * c->F;
-    const float* u = c->U + size_t(s) * c->F;
-    const float* gb = e.gate_bias;
-    const float* ub = e.up_bias;
-    for (int i = 0; i < c->F; ++i) {
-        float gv = g[i] + (gb ? gb[i] : 0.f);
-        float uv = u[i] + (ub ? ub[i] : 0.f);
-        if (e.activation == 1) {
-            gv = std::fmin(gv, kLimit);
-            uv = std::fmax(-kLimit, std::fmin(uv, kLimit));
-            g[i] = (uv + 1.f) * (gv / (1.f + std::exp(-kAlpha * gv)));
-        } else {
-            g[i] = gv / (1.f + std::exp(-gv)) * uv;
-        }
-    }
+    c->K->glu(g, c->U + size_t(s) * c->F, e.gate_bias, e.up_bias, c->F, e.activation == 1 ? kGluSwigluOai : kGluSilu);
     c->K->quantize(g, size_t(c->F), 1, c->F, c->hrec + size_t(s) * act_bytes(c->F));
 }
 

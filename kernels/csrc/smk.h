@@ -119,6 +119,12 @@ typedef void (*AttnUnitFn)(const AttnUnit& u);
 // product, which stays float32 (routing is where precision matters most).
 typedef void (*F32DotRowsFn)(const float* w, size_t wstride, int r0, int r1, int k, const float* x, size_t xstride,
                              int m, float* out, size_t ostride);
+// An expert FFN's gated activation over n values, in place: g = act(g + gb) * (u + ub) (gb, ub
+// may be null). kind kGluSilu: SiLU; kGluSwigluOai: gpt-oss's clamped SwiGLU, (u + 1) * g * sigmoid(alpha g)
+// with g <= limit and |u| <= limit.
+enum { kGluSilu = 0, kGluSwigluOai = 1 };
+constexpr float kGluOaiAlpha = 1.702f, kGluOaiLimit = 7.0f;
+typedef void (*GluFn)(float* g, const float* u, const float* gb, const float* ub, int n, int kind);
 // Weights packed at load by 16 rows (repack.cpp): a packed weight's "row stride" is its group
 // stride, r0 and r1 are multiples of kPackRows, and row r's output still goes to column r - r0.
 constexpr int kPackRows = 16;
@@ -136,6 +142,7 @@ struct Kernels {
     bool packed_fast[64];     // whether packed[type] is this ISA's SIMD kernel (packing pays)
     AttnUnitFn attn_unit;
     F32DotRowsFn f32_dot;
+    GluFn glu;
 };
 
 void init_scalar(Kernels& k);
