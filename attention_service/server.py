@@ -7,11 +7,11 @@ messages to our own types and back; the engine never sees a protobuf.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
 import threading
-import functools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
