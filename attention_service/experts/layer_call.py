@@ -93,10 +93,6 @@ class LayerCall:
         error is kept for `collect_locked`, which first waits for whatever was sent."""
         self._rounds += 1
         self._parts, self._hops = [], []
-        # The expert services start computing as this is sent: from here this process's idle
-        # workers must not spin (parked at collect, they spun into every hop: 0.5-1 ms of CPU a
-        # token at one stream, measured, on cores the services' threads want).
-        native.park()
         try:
             parts = self._services.plan(self._layer, work)
             hidden = self._hidden
@@ -116,7 +112,7 @@ class LayerCall:
         request would otherwise share its shared-memory slot with the next one.
         """
         self._collected = True
-        native.park()  # again: a micro-batch's attention may have run the workers since the send
+        native.park()  # the expert services compute now: this process's idle workers must not spin
         out = None  # float32 [T, D], made by the first part that arrives
         try:
             while True:
