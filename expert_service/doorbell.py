@@ -85,6 +85,7 @@ class DoorbellServer:
             threading.Thread(target=self._serve, args=(connection,), name="expert-doorbell-conn", daemon=True).start()
 
     def _serve(self, connection: "_Connection") -> None:
+        native.pin_caller()  # the hop loop calls the native pool: on its first CPU (--pin-threads)
         try:
             connection.run()
         except OSError as e:  # the client went away mid-reply

@@ -18,6 +18,7 @@ class ExpertServiceSettings:
     num_threads: int | None = None          # torch intra-op threads; None: torch's default
     cpus: frozenset[int] | None = None      # pin the process to these CPUs
     numa_node: int | None = None            # the NUMA node those CPUs are (its memory: where pages land)
+    pin_threads: bool = False               # each compute thread on one CPU of the process's, in order
     # Each open Forward stream holds one worker thread for its lifetime; unary RPCs share the rest.
     max_workers: int = 64
     max_message_bytes: int = 1 << 30       # 1 GiB: a long prefill's hidden states in one message

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -94,6 +94,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_set_num_threads", None, [I]),
         ("smk_get_num_threads", I, []),
         ("smk_park", None, []),
+        ("smk_pin_workers", None, [P, I]),
         ("smk_supports", I, [I]),
         ("smk_can_dequantize", I, [I]),
         ("smk_matmul_multi", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
@@ -155,6 +156,37 @@ def park() -> None:
     service that has answered). No-op without the native library."""
     if AVAILABLE:
         _lib.smk_park()
+
+
+_caller_cpu: int | None = None
+
+
+def pin_compute(cpus: Sequence[int]) -> None:
+    """This process's compute threads one to a CPU: the native pool's worker i on cpus[i], and every
+    thread that calls into the pool (the attention engine, an expert service's hop loop) on cpus[0],
+    once it calls `pin_caller`. For processes that share cores and take turns (see smk_pin_workers)."""
+    global _caller_cpu
+    cpus = [int(c) for c in cpus]
+    if not cpus:
+        return
+    _caller_cpu = cpus[0]
+    if AVAILABLE:
+        _lib.smk_pin_workers((ctypes.c_int * len(cpus))(*cpus), len(cpus))
+
+
+def pin_caller() -> None:
+    """Pin the calling thread to the compute plan's first CPU (a no-op without `pin_compute`).
+
+    OpenMP's threads for this thread's torch ops are made at its first parallel region and take
+    its affinity then: one is run first, unpinned, so that they stay free to use every core (a
+    prompt's GEMMs would otherwise share one)."""
+    if _caller_cpu is None or not hasattr(os, "sched_setaffinity"):
+        return
+    torch.ones(1 << 20).sum()  # the OpenMP team of this thread, made now with its affinity as it is
+    try:
+        os.sched_setaffinity(0, {_caller_cpu})  # 0: this thread
+    except OSError:  # not an allowed CPU: stays as it is
+        pass
 
 
 def supports(ggml_type: int) -> bool:

@@ -37,6 +37,9 @@ class UpSettings:
     startup_timeout_s: float = 300.0   # per stage: loading a large model's shard takes a while
     stop_grace_s: float = 10.0         # per stage, between SIGTERM and SIGKILL
     numa: bool = False                 # one expert service per NUMA node (num_expert_services unused)
+    # Every service's compute threads one to a CPU, in the same order (see `cpu_slices`); the
+    # NUMA stack pins each expert service to its node instead.
+    pin_threads: bool = True
     sysfs_nodes: str = str(SYSFS_NODES)  # where the NUMA topology is read (tests fake it)
 
     def __post_init__(self) -> None:
@@ -76,6 +79,21 @@ def expert_ranges(num_experts: int, num_services: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(num_services)]
 
 
+def cpu_slices(threads: list[int]) -> list[list[int] | None]:
+    """Each expert service's CPUs when the stack pins its threads: consecutive runs of the CPUs we
+    may use, as many as its threads, so that its thread j shares a core with the attention
+    service's thread (its first CPU's index + j), which pins its own in the same order. The
+    services take turns with the attention side on those cores: each handoff then stays on a core,
+    with no thread migrating (measured: 5-7% faster decode through the services). None for a
+    service the CPUs do not cover (more threads asked than CPUs): it is left unpinned."""
+    cpus = sorted(usable_cpu_set())
+    slices, start = [], 0
+    for n in threads:
+        slices.append(cpus[start:start + n] if start + n <= len(cpus) else None)
+        start += n
+    return slices
+
+
 def split_threads(total: int, parts: int) -> list[int]:
     """`total` threads over `parts` processes, at least one each."""
     return [max(1, total // parts + (i < total % parts)) for i in range(parts)]
@@ -110,11 +128,14 @@ def expert_specs(settings: UpSettings, num_experts: int, ports: list[int]) -> li
     total_threads = settings.threads or usable_cpus()
     ranges = expert_ranges(num_experts, len(ports))
     threads = split_threads(total_threads, len(ports))
+    slices = cpu_slices(threads) if settings.pin_threads else [None] * len(ports)
     specs = []
-    for i, (port, (first, last), num_threads) in enumerate(zip(ports, ranges, threads, strict=True)):
+    for i, (port, (first, last), num_threads, cpus) in enumerate(zip(ports, ranges, threads, slices, strict=True)):
         address = f"127.0.0.1:{port}"
         argv = (*CHILD_PREFIX, "serve-experts", settings.model_path, "--host", "127.0.0.1", "--port", str(port),
                 "--experts", f"{first}-{last}", "--threads", str(num_threads))
+        if cpus is not None:
+            argv += ("--cpus", ",".join(map(str, cpus)), "--pin-threads")
         specs.append(ServiceSpec(f"expert-{i}", argv, address, lambda a=address: GrpcHealthProbe(a),
                                  detail=f", experts {first}-{last}, {num_threads} thread{'s' * (num_threads != 1)}",
                                  env=cluster_env(settings)))
@@ -146,6 +167,8 @@ def attention_spec(settings: UpSettings, port: int, expert_addresses: list[str])
         argv += ["--expert-services", ",".join(expert_addresses)]
     if settings.threads:
         argv += ["--threads", str(settings.threads)]
+    if settings.pin_threads and not settings.numa:
+        argv += ["--pin-threads"]
     argv += settings.attention_options
     detail = "" if expert_addresses else ", experts in-process"
     return ServiceSpec("attention", tuple(argv), address, lambda: GrpcHealthProbe(address), detail=detail,

@@ -8,6 +8,7 @@ get ready, die while running, ignore SIGTERM, or outlive a supervisor killed wit
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -141,6 +142,25 @@ def test_plan_wires_experts_into_attention_and_attention_into_the_gateway():
     args = parser.parse_args(gateway.argv[4:])
     assert (args.attention, args.host, args.port) == ("127.0.0.1:5003", "0.0.0.0", 8080)
     assert gateway.address == "http://127.0.0.1:8080"  # what a local client connects to
+
+
+def test_services_pin_their_threads_pairwise_on_the_cores_they_share(monkeypatch):
+    import splitmoe.local_stack as local_stack
+
+    monkeypatch.setattr(local_stack, "usable_cpu_set", lambda: frozenset({4, 5, 6, 7}))
+    parser = build_parser()
+    settings = UpSettings(model_path="/m/x.gguf", num_expert_services=2, threads=4)
+    experts = [parser.parse_args(s.argv[4:]) for s in expert_specs(settings, 8, [5001, 5002])]
+    # expert service i's thread j shares a core with the attention service's thread (its first + j)
+    assert [(sorted(a.cpus), a.pin_threads) for a in experts] == [([4, 5], True), ([6, 7], True)]
+    assert parser.parse_args(attention_spec(settings, 5003, ["127.0.0.1:5001"]).argv[4:]).pin_threads
+    # more threads than CPUs: the services the CPUs do not cover are left to the scheduler
+    over = [parser.parse_args(s.argv[4:]) for s in expert_specs(dataclasses.replace(settings, threads=6), 8, [1, 2])]
+    assert [(a.cpus and sorted(a.cpus), a.pin_threads) for a in over] == [([4, 5, 6], True), (None, False)]
+    off = dataclasses.replace(settings, pin_threads=False)
+    assert not any(parser.parse_args(s.argv[4:]).pin_threads for s in expert_specs(off, 8, [5001, 5002]))
+    assert not parser.parse_args(attention_spec(off, 5003, []).argv[4:]).pin_threads
+    assert not parser.parse_args(["up", "--no-pin-threads"]).pin_threads
 
 
 def test_secrets_reach_the_children_in_their_environment_never_on_a_command_line():

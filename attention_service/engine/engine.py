@@ -22,6 +22,7 @@ from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep
 from splitmoe.attention_service.engine.token_mask import TokenMasks
 from splitmoe.attention_service.model.runner import ModelRunner
 from splitmoe.attention_service.model.sequence import Sequence
+from splitmoe.kernels import native
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("splitmoe.attention.engine")
@@ -97,6 +98,7 @@ class Engine:
         self._lock.notify()
 
     def _run(self) -> None:
+        native.pin_caller()  # the steps call the native pool: on its first CPU (--pin-threads)
         while True:
             with self._lock:
                 while not self._inbox and not self.scheduler.has_work() and not self._stopping:

@@ -102,6 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-services", type=_addresses, default=(),
                    help="host:port,... of expert services (default: none, all experts in-process)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    p.add_argument("--pin-threads", action="store_true",
+                   help="each compute thread on its own CPU, in the order of the CPUs the process may use "
+                        "(the engine on the first): what `splitmoe up` passes where the expert services "
+                        "share these cores and pin theirs in the same order")
     add_serving_options(p)
     add_cluster_flags(p, serves=True, calls=True)
     p.set_defaults(run=run)
@@ -145,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pin_threads:
+        from splitmoe.kernels import native
+        from splitmoe.runtime.topology import compute_cpus
+
+        native.pin_compute(compute_cpus(torch.get_num_threads()))
     setup_tracing("splitmoe-attention", settings.otlp_endpoint)
     logging.getLogger(__name__).info("starting attention service for %s (%s)", settings.model_path, args.dtype)
     asyncio.run(serve(settings))

@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pinning.add_argument("--numa-node", type=int, metavar="N",
                          help="pin the process to NUMA node N's CPUs (its pages then land on N's memory); "
                               "--threads defaults to their number")
+    p.add_argument("--pin-threads", action="store_true",
+                   help="each compute thread on its own CPU, in the order of the CPUs the process may use "
+                        "(the hop loop on the first): what `splitmoe up` passes where the services share "
+                        "cores with the attention service, which pins its threads in the same order")
     p.add_argument("--unassigned", action="store_true",
                    help="start with no experts; the attention service assigns a shard with LoadShard")
     p.add_argument("--no-doorbell", dest="doorbell", action="store_false",
@@ -69,6 +73,7 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
         unassigned=args.unassigned, num_threads=threads, cpus=cpus, numa_node=args.numa_node,
+        pin_threads=args.pin_threads,
         otlp_endpoint=otlp_endpoint(), doorbell=args.doorbell, security=cluster_security(args))
     return serve_experts(settings)
 
@@ -128,6 +133,11 @@ def _apply_cpu_settings(settings: ExpertServiceSettings) -> None:
         pin_process(settings.cpus)  # before the shard loads: its pages are first touched from there
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
+    if settings.pin_threads:
+        from splitmoe.kernels import native
+        from splitmoe.runtime.topology import compute_cpus
+
+        native.pin_compute(compute_cpus(torch.get_num_threads()))
 
 
 def _hosted_shard(settings: ExpertServiceSettings) -> HostedShard:

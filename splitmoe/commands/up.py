@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads split between the expert services (default: the CPUs this process may "
                         "use); the attention service gets T too, as it computes while the experts wait")
+    p.add_argument("--no-pin-threads", dest="pin_threads", action="store_false",
+                   help="leave the services' threads to the scheduler (default: each service's compute "
+                        "threads pinned one to a CPU, in the same order, as they take turns on the cores)")
     add_api_key_flags(p)
     p.add_argument("--run-dir", default="", help="where the services' logs go (default: a new directory "
                                                  "under ~/.cache/splitmoe/runs/)")
@@ -100,7 +103,7 @@ def _settings(args: argparse.Namespace) -> UpSettings:
                       threads=args.threads, api_key=api_key(args),
                       attention_options=tuple(serving_options_argv(args)), run_dir=args.run_dir,
                       startup_timeout_s=args.startup_timeout_s, stop_grace_s=args.stop_grace_s, numa=args.numa,
-                      cluster_token=settings.cluster_token() or new_cluster_token())
+                      pin_threads=args.pin_threads, cluster_token=settings.cluster_token() or new_cluster_token())
 
 
 def _say(line: str) -> None:

@@ -137,3 +137,9 @@ def _mem_total_bytes(meminfo: Path) -> int:
 
 def _all_cpus() -> frozenset[int]:
     return frozenset(range(os.cpu_count() or 1))
+
+
+def compute_cpus(num_threads: int) -> list[int]:
+    """The CPUs a process's `num_threads` compute threads are pinned to, one each (`--pin-threads`):
+    the first of the CPUs it may use, in order (fewer when it may use fewer)."""
+    return sorted(usable_cpu_set())[:max(1, num_threads)]
