@@ -31,6 +31,7 @@ class BenchSettings:
     transport: str = "auto"
     dtype: str = "bfloat16"            # the attention side's (float32 is the exact reference path)
     omp_wait_policy: str = "PASSIVE"   # for the service processes; "" leaves OpenMP's default
+    pin_threads: bool = True           # as `splitmoe up` runs them (its --no-pin-threads: False)
     inprocess: bool = True
     bandwidth_mb: int = 1024
     run_dir: str = ""
@@ -79,7 +80,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     say(f"  services: attention + {s.expert_services} expert services")
     services = run_services(s.model_path, w, prompts, ServicesOptions(
         threads=s.threads, expert_services=s.expert_services, transport=s.transport, dtype=s.dtype,
-        omp_wait_policy=s.omp_wait_policy), run_dir, say)
+        omp_wait_policy=s.omp_wait_policy, pin_threads=s.pin_threads), run_dir, say)
     m = services.measured
     say(_summary(m, w) + (f", per hop {services.hop_us:.0f} µs" if services.hop_us else ""))
     lap("services")
@@ -134,6 +135,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         "model": str(Path(s.model_path).resolve()), "threads": s.threads, "attention_threads": s.threads,
         "expert_services": s.expert_services, "expert_threads": services.expert_threads, "dtype": s.dtype,
         "transport": services.transport, "omp_wait_policy": s.omp_wait_policy or "default",
+        "pin_threads": s.pin_threads,
         "bandwidth_gb_s": bandwidth, "expert_bytes_per_token": expert_bytes.per_token,
         "touched_expert_bytes_per_step16": touched, "touched_expert_bytes_source": touched_source,
         "dense_bytes_per_token": dense, "native_isa": native_isa(), "cpu": cpu_model(),
@@ -170,6 +172,8 @@ def command_line(s: BenchSettings) -> str:
             ("--stream-prompt-tokens", w.stream_prompt_tokens, dw.stream_prompt_tokens), ("--seed", w.seed, dw.seed)]:
         if value != default:
             args += [flag, str(value)]
+    if not s.pin_threads:
+        args.append("--no-pin-threads")
     if not s.inprocess:
         args.append("--no-inprocess")
     return shlex.join(args)

@@ -31,6 +31,7 @@ class ServicesOptions:
     transport: str = "auto"            # the attention service's --transport
     dtype: str = "bfloat16"            # the attention service's --dtype (bfloat16: the fast path)
     omp_wait_policy: str = "PASSIVE"   # for every child; "" leaves OpenMP's default
+    pin_threads: bool = True           # `splitmoe up`'s thread pinning (its --no-pin-threads: False)
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
 
@@ -55,7 +56,8 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
     from splitmoe.supervisor import StopRequested, Supervisor
 
     settings = UpSettings(model_path=model_path, num_expert_services=options.expert_services,
-                          threads=options.threads, run_dir=str(run_dir), startup_timeout_s=options.startup_timeout_s)
+                          threads=options.threads, run_dir=str(run_dir), startup_timeout_s=options.startup_timeout_s,
+                          pin_threads=options.pin_threads)
     with Supervisor(run_dir, options.startup_timeout_s, stop_grace_s=10.0, say=lambda line: say("  " + line.strip())) \
             as supervisor:
         try:

@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
                    help="OMP_WAIT_POLICY of the service processes: PASSIVE (default) puts waiting OpenMP threads to "
                         "sleep, so the side that waits leaves the cores to the side that computes")
+    r.add_argument("--no-pin-threads", dest="pin_threads", action="store_false",
+                   help="leave the services' threads to the scheduler, as `splitmoe up --no-pin-threads` does")
     r.add_argument("--no-inprocess", dest="inprocess", action="store_false", help="skip the in-process run")
     r.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer of the memory-bandwidth measurement")
     r.add_argument("--run-dir", default="", help="where the services' logs go (default: a new directory under "
@@ -90,7 +92,7 @@ def run_bench(args: argparse.Namespace) -> int:
         expert_services=numa_nodes() if args.expert_services is None else args.expert_services,
         transport=args.transport, dtype=args.dtype,
         omp_wait_policy="" if args.omp_wait_policy == "default" else args.omp_wait_policy,
-        inprocess=args.inprocess, bandwidth_mb=args.bandwidth_mb, run_dir=args.run_dir)
+        pin_threads=args.pin_threads, inprocess=args.inprocess, bandwidth_mb=args.bandwidth_mb, run_dir=args.run_dir)
     try:
         figures = bench(settings, say=lambda line: print(line, flush=True))
     except (ServiceFailed, RuntimeError) as e:  # a service, the in-process engine or the llama.cpp child failed
