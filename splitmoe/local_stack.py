@@ -167,7 +167,7 @@ def attention_spec(settings: UpSettings, port: int, expert_addresses: list[str])
         argv += ["--expert-services", ",".join(expert_addresses)]
     if settings.threads:
         argv += ["--threads", str(settings.threads)]
-    if settings.pin_threads and not settings.numa:
+    if settings.pin_threads and not settings.numa and expert_addresses:  # alone it takes no turns: no gain measured
         argv += ["--pin-threads"]
     argv += settings.attention_options
     detail = "" if expert_addresses else ", experts in-process"

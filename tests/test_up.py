@@ -154,12 +154,13 @@ def test_services_pin_their_threads_pairwise_on_the_cores_they_share(monkeypatch
     # expert service i's thread j shares a core with the attention service's thread (its first + j)
     assert [(sorted(a.cpus), a.pin_threads) for a in experts] == [([4, 5], True), ([6, 7], True)]
     assert parser.parse_args(attention_spec(settings, 5003, ["127.0.0.1:5001"]).argv[4:]).pin_threads
+    assert not parser.parse_args(attention_spec(settings, 5003, []).argv[4:]).pin_threads  # experts in-process
     # more threads than CPUs: the services the CPUs do not cover are left to the scheduler
     over = [parser.parse_args(s.argv[4:]) for s in expert_specs(dataclasses.replace(settings, threads=6), 8, [1, 2])]
     assert [(a.cpus and sorted(a.cpus), a.pin_threads) for a in over] == [([4, 5, 6], True), (None, False)]
     off = dataclasses.replace(settings, pin_threads=False)
     assert not any(parser.parse_args(s.argv[4:]).pin_threads for s in expert_specs(off, 8, [5001, 5002]))
-    assert not parser.parse_args(attention_spec(off, 5003, []).argv[4:]).pin_threads
+    assert not parser.parse_args(attention_spec(off, 5003, ["127.0.0.1:5001"]).argv[4:]).pin_threads
     assert not parser.parse_args(["up", "--no-pin-threads"]).pin_threads
 
 
