@@ -4,6 +4,7 @@ the attention process, and rebalancing while decode steps run.
 The demo model routes two experts per token, so in float32 every placement adds the same two
 products per token (a + b == b + a): the logits must be bit-identical, not merely close.
 """
+import functools
 import json
 import threading
 import time
@@ -39,8 +40,7 @@ def services(demo_gguf, tmp_path_factory):
         s.stop_all()
 
 
-def remote(g, *addresses, **settings):
-    return remote_experts(g, *addresses, **{"expert_timeout_s": EXPERT_TIMEOUT_S, **settings})
+remote = functools.partial(remote_experts, expert_timeout_s=EXPERT_TIMEOUT_S)  # a test's own settings win
 
 
 def skewed_rates(hot=(0, 1), seed=0) -> torch.Tensor:

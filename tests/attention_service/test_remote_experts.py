@@ -6,6 +6,7 @@ counts, local layers, services started empty, startup errors, and a replica kill
 One service's deadlines and reconnects are in test_service_client.py.
 """
 import dataclasses
+import functools
 import os
 import socket
 import threading
@@ -55,8 +56,7 @@ def services(demo_gguf, tmp_path_factory, request):
         s.stop_all()
 
 
-def remote(g, *addresses, **settings):
-    return remote_experts(g, *addresses, **{"expert_timeout_s": EXPERT_TIMEOUT_S, **settings})
+remote = functools.partial(remote_experts, expert_timeout_s=EXPERT_TIMEOUT_S)  # a test's own settings win
 
 
 def logits(path, backend=None, prompt=PROMPT):
