@@ -43,7 +43,8 @@ if (sys.platform.startswith("linux") or sys.platform == "darwin") and os.environ
         Extension(
             "splitmoe.kernels._native",
             sources=SOURCES,
-            depends=["kernels/csrc/smk.h", "kernels/csrc/iq_grids.h", "kernels/csrc/dot_avx512.inc", "kernels/csrc/attention.inc"],
+            depends=["kernels/csrc/smk.h", "kernels/csrc/iq_grids.h", "kernels/csrc/dot_avx512.inc", "kernels/csrc/attention.inc",
+                     "kernels/csrc/attention_tiled.inc"],
             language="c++",
             extra_compile_args=[
                 "-std=c++17", "-O3", "-g0", "-fvisibility=hidden",

@@ -24,17 +24,22 @@ from splitmoe.modelfile.hparams import NORM_RMS, ModelConfig
 
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
 SCORES_PER_CHUNK = 1 << 22
-# Steps in which no sequence brings more new tokens than this take the native decode attention
-# (fast mode on the CPU); more rows (prompts) are matrix products, which torch's GEMMs do better.
+# Steps in which no sequence brings more new tokens than this take the native decode layer (the
+# attention half of each layer as one call); prompts keep torch's GEMMs for their projections.
 NATIVE_DECODE_ROWS = 4
 
 
+def use_native_attention(kv: KVCache) -> bool:
+    """Whether attention over the cache runs natively (kernels.decode_attention, which takes prompts
+    in tiles): the fast mode's bfloat16 cache on the CPU. The float32 mode keeps the torch path,
+    the exact reference."""
+    return kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and native.AVAILABLE
+
+
 def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
-    """Whether this step's attention runs as one native call per layer (kernels.decode_attention):
-    the fast mode's bfloat16 cache on the CPU, in decode-sized steps. The float32 mode keeps the
-    torch path, the exact reference."""
-    return (kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and native.AVAILABLE
-            and 0 < batch.max_new_tokens <= NATIVE_DECODE_ROWS)
+    """Whether this step's layers run their attention half as one native call each: decode-sized
+    steps with native attention."""
+    return use_native_attention(kv) and 0 < batch.max_new_tokens <= NATIVE_DECODE_ROWS
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
@@ -271,7 +276,7 @@ class MultiHeadAttention:
     def _attend(self, i: int, w: AttentionWeights, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """[T, H, Dv]: the new queries over their sequences' cached context."""
         window, chunk = self.window_tokens(i), self.chunk_tokens(i)
-        if use_native_decode(batch, kv):
+        if use_native_attention(kv):
             pools = kv.pools(i)
             # A chunked layer's rows attend over their chunk: a context of its own, one per step.
             context = batch.chunked_attention_context(chunk) if chunk else batch.attention_context

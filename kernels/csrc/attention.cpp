@@ -3,10 +3,12 @@
 // attention_avx512.cpp for those ISAs.
 //
 // Every query row t of a sequence sees context indices [lo, hi): hi = its own index + 1 (causal),
-// lo = hi - window when a sliding window applies. Units are (row, kv head) pairs; when there are
-// fewer than a few per thread (one sequence, few kv heads, MLA's one latent head), each context is
-// cut into runs of at least kMinRun keys, computed apart and merged here (flash-decoding).
-// Softmax and accumulation are float32 throughout; sinks (gpt-oss) join the merge's denominator.
+// lo = hi - window when a sliding window applies. A sequence with kTileMinRows query rows or more
+// (a prompt) goes in tiles (attention_tiled.inc): units of a kv head and a block of its tokens,
+// each finished in place. The others (decode) are (row, kv head) units; when there are fewer than
+// a few per thread (one sequence, few kv heads, MLA's one latent head), each context is cut into
+// runs of at least kMinRun keys, computed apart and merged here (flash-decoding).
+// Softmax and accumulation are float32 throughout; sinks (gpt-oss) join the denominator.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -42,15 +44,22 @@ struct V {
     static vf mul(vf a, vf b) { return a * b; }
     static vf fnmadd(vf a, vf b, vf c) { return c - a * b; }
     static vf min(vf a, vf b) { return a < b ? a : b; }
+    static vf lt_select(vf a, vf b, vf x, vf y) { return a < b ? x : y; }
     static vf round(vf x) { return std::nearbyint(x); }
     static vf pow2(vf n) { return std::ldexp(1.f, int(n)); }
 };
 
 #include "attention.inc"
+#include "attention_tiled.inc"
 
 }  // namespace scalar_attn
 
-void init_attention_scalar(Kernels& k) { k.attn_unit = scalar_attn::unit; k.f32_dot = scalar_attn::f32_dot; k.glu = scalar_attn::glu; }
+void init_attention_scalar(Kernels& k) {
+    k.attn_unit = scalar_attn::unit;
+    k.attn_tile = scalar_attn::tile;
+    k.f32_dot = scalar_attn::f32_dot;
+    k.glu = scalar_attn::glu;
+}
 
 }  // namespace smk
 
@@ -59,6 +68,23 @@ using namespace smk;
 namespace {
 
 constexpr int kMinRun = 256;  // keys per run of a split context: below this the merge costs more
+constexpr int kTileMinRows = 8;  // query rows of a sequence from which tiles beat per-row units
+constexpr int kTileRows = 64;    // rows (tokens x the heads sharing a kv head) a tile unit aims at
+
+struct TileJob {
+    const AttnTileFn fn;
+    std::vector<AttnTile>& units;
+    std::atomic<int> next{0};
+};
+
+void tile_job(void* p, int) {
+    auto* j = static_cast<TileJob*>(p);
+    for (;;) {
+        const int i = j->next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= int(j->units.size())) return;
+        j->fn(j->units[i]);
+    }
+}
 
 struct AttnJob {
     const AttnUnitFn fn;
@@ -97,13 +123,31 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
     a.slots = slots;
     a.scale = scale;
     const int R = a.R;
+    const Kernels& K = kernels();
+    const int nthreads = num_threads();
     // (row, head group) ranges, then how many runs each is cut into
     struct Range { int t, g; int64_t slot_base; int lo, hi; };
     std::vector<Range> ranges;
+    std::vector<AttnTile> tiles;
+    std::vector<int64_t> tile_cost;
     int64_t keys = 0;
     for (int s = 0; s < n_seqs; ++s) {
         const int64_t t0 = seqs[4 * s], nt = seqs[4 * s + 1], base = seqs[4 * s + 2], ctx = seqs[4 * s + 3];
         if (t0 < 0 || nt < 0 || t0 + nt > T || ctx < 0) return -2;
+        if (nt >= kTileMinRows) {
+            for (int64_t t = t0; t < t0 + nt; ++t)
+                if (q_index[t] < 0 || q_index[t] >= ctx) return -2;  // a tile reads every row's own key
+            const int block = std::max(1, kTileRows / R);
+            for (int64_t b = t0; b < t0 + nt; b += block) {
+                const int n = int(std::min<int64_t>(block, t0 + nt - b));
+                const int64_t span = q_index[b + n - 1] + 1 - (window > 0 ? std::max<int64_t>(0, q_index[b] - window + 1) : 0);
+                for (int g = 0; g < G; ++g) {
+                    tiles.push_back({&a, g, int(b), n, window, slots + base, q_index, sinks, out});
+                    tile_cost.push_back(span * n);
+                }
+            }
+            continue;
+        }
         for (int64_t t = t0; t < t0 + nt; ++t) {
             const int64_t hi = std::min<int64_t>(q_index[t] + 1, ctx);
             const int64_t lo = window > 0 ? std::max<int64_t>(0, q_index[t] - window + 1) : 0;
@@ -111,7 +155,22 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
             keys += std::max<int64_t>(0, hi - lo) * G;
         }
     }
-    const int nthreads = num_threads();
+    if (!tiles.empty()) {
+        // the costliest first (the prompt's last tokens see the most keys), so the pool ends together
+        std::vector<int> order(tiles.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+        std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return tile_cost[x] > tile_cost[y]; });
+        std::vector<AttnTile> sorted;
+        sorted.reserve(tiles.size());
+        for (int i : order) sorted.push_back(tiles[i]);
+        TileJob job{K.attn_tile, sorted};
+        if (nthreads == 1 || sorted.size() == 1) {
+            tile_job(&job, 0);
+        } else {
+            parallel(tile_job, &job);
+        }
+    }
+    if (ranges.empty()) return 0;
     const int wanted = 4 * nthreads;
     int pieces = 1;
     if (!ranges.empty() && int(ranges.size()) < wanted) pieces = (wanted + int(ranges.size()) - 1) / int(ranges.size());
@@ -136,7 +195,6 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
         float* p = part.data() + i * size_t(R) * (2 + size_t(Dv));
         units[i].max = p; units[i].sum = p + R; units[i].acc = p + 2 * R;
     }
-    const Kernels& K = kernels();
     AttnJob job{K.attn_unit, units};
     if (nthreads == 1 || units.size() <= 1 || keys * int64_t(Dk + Dv) * R < (int64_t(1) << 15)) {
         attn_job(&job, 0);

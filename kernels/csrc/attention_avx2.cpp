@@ -56,6 +56,7 @@ struct V {
     static vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
     static vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
     static vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+    static vf lt_select(vf a, vf b, vf x, vf y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
     static vf round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     static vf pow2(vf n) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
@@ -63,6 +64,7 @@ struct V {
 };
 
 #include "attention.inc"
+#include "attention_tiled.inc"
 
 }  // namespace avx2_attn
 }  // namespace smk
@@ -73,6 +75,11 @@ struct V {
 #pragma GCC pop_options
 #endif
 
-void smk::init_attention_avx2(Kernels& k) { k.attn_unit = avx2_attn::unit; k.f32_dot = avx2_attn::f32_dot; k.glu = avx2_attn::glu; }
+void smk::init_attention_avx2(Kernels& k) {
+    k.attn_unit = avx2_attn::unit;
+    k.attn_tile = avx2_attn::tile;
+    k.f32_dot = avx2_attn::f32_dot;
+    k.glu = avx2_attn::glu;
+}
 
 #endif  // x86

@@ -48,6 +48,7 @@ struct V {
     static vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
     static vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
     static vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+    static vf lt_select(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
     static vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     static vf pow2(vf n) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
@@ -55,6 +56,7 @@ struct V {
 };
 
 #include "attention.inc"
+#include "attention_tiled.inc"
 
 }  // namespace avx512_attn
 }  // namespace smk
@@ -65,6 +67,11 @@ struct V {
 #pragma GCC pop_options
 #endif
 
-void smk::init_attention_avx512(Kernels& k) { k.attn_unit = avx512_attn::unit; k.f32_dot = avx512_attn::f32_dot; k.glu = avx512_attn::glu; }
+void smk::init_attention_avx512(Kernels& k) {
+    k.attn_unit = avx512_attn::unit;
+    k.attn_tile = avx512_attn::tile;
+    k.f32_dot = avx512_attn::f32_dot;
+    k.glu = avx512_attn::glu;
+}
 
 #endif  // x86

@@ -113,6 +113,18 @@ struct AttnUnit {
     float* acc;  // [R, Dv]
 };
 typedef void (*AttnUnitFn)(const AttnUnit& u);
+// One prompt-sized work unit (attention_tiled.inc): kv head g for the query rows [t0, t0 + nt) of
+// one sequence, whose context slots start at `slots`; row t sees context indices
+// (q_index[t] - window, q_index[t]] (window 0: [0, q_index[t]]). Writes those rows' R heads of out.
+struct AttnTile {
+    const AttnArgs* args;
+    int g, t0, nt, window;
+    const int64_t* slots;
+    const int64_t* q_index;
+    const float* sinks;  // [H] or null
+    float* out;          // [T, H, Dv]
+};
+typedef void (*AttnTileFn)(const AttnTile& u);
 
 // float32 weight rows [r0, r1) (row r at w + r * wstride floats, k values) against m float32
 // activation rows (row t at x + t * xstride): out[t * ostride + (r - r0)] = dot. The router's
@@ -141,6 +153,7 @@ struct Kernels {
     DotRowsFn packed[64];     // packed weights (every ISA has at least the portable kernel)
     bool packed_fast[64];     // whether packed[type] is this ISA's SIMD kernel (packing pays)
     AttnUnitFn attn_unit;
+    AttnTileFn attn_tile;
     F32DotRowsFn f32_dot;
     GluFn glu;
 };

@@ -1,6 +1,7 @@
-"""The native decode attention inside real models: every call of a bfloat16 decode is checked
-against the torch implementation (`grouped_attention`, `latent_attention`) on the same queries and
-the same cache, so the pools, strides, slots, windows and sinks it is handed are the right ones.
+"""The native attention inside real models: every call of a bfloat16 prompt chunk (the tiled
+kernel) and decode is checked against the torch implementation (`grouped_attention`,
+`latent_attention`) on the same queries and the same cache, so the pools, strides, slots, windows
+and sinks it is handed are the right ones.
 
 This is the path of MLA models and of layers without a native attention front (a weight type the
 kernels lack); the fronts, which call the same kernel from C++, are switched off here and tested
@@ -66,12 +67,14 @@ def checked_decode(monkeypatch) -> list[int]:
     return checked
 
 
-def decode(path, ids, batch: int = 2) -> None:
+def decode(path, ids, batch: int = 2, chunk: int = 36) -> None:
     r = ModelRunner.from_gguf(path, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
                                                   kv_cache_tokens=512, kv_block_tokens=4))
     seqs = [Sequence(i, ids[i:]) for i in range(batch)]  # different lengths, interleaved blocks
-    r.step(seqs, [8] * batch)  # a prompt chunk: the torch path
-    for _ in range(len(ids) - batch - 8):
+    first = min(chunk, len(ids) - batch - 4)
+    r.step(seqs, [first] * batch)  # a prompt chunk: tiles (past gpt-oss's 32-token window on the fixture)
+    r.step(seqs, [3, 2][:batch])  # short chunks: per-row units
+    for _ in range(len(ids) - batch - first - 3):
         r.step(seqs, [1] * batch)
 
 

@@ -3,7 +3,8 @@
 Shapes of the served families: grouped-query ratios 1 (OLMoE, Qwen2-MoE), 4 (Mixtral), 8 (Qwen3,
 gpt-oss), head dims 64 and 128 and an odd 80 (SIMD tails), MLA's one latent head (576 keys, 512
 values), sliding windows, sinks; one query token and several, contexts from 1 token to past the
-length at which a context is split across threads; scattered slots; float32 and bfloat16 caches.
+length at which a context is split across threads; prompts of 9 to 200 rows (the tiled kernel),
+alone and beside decode rows; scattered slots; float32 and bfloat16 caches.
 The reference reads the same cache values (bfloat16 converts exactly), so only float32 rounding
 of the kernel remains.
 """
@@ -78,6 +79,14 @@ CASES = [
     (64, 8, 64, 64, [130], 1, 128, True),  # gpt-oss: sliding window 128 with sinks
     (64, 8, 64, 64, [100, 700], 3, 0, True),  # gpt-oss full layer with sinks, several rows
     (8, 2, 80, 48, [33, 600], 1, 17, False),  # odd head dims (SIMD tails), short window
+    # prompts (8 rows or more of a sequence: the tiled kernel)
+    (32, 4, 128, 128, [100], 100, 0, False),  # Qwen3: a whole prompt, tiles of 8 tokens x 8 heads
+    (32, 4, 128, 128, [300, 1], 37, 0, False),  # a prompt's chunk after cached context, and a decode row
+    (16, 16, 128, 128, [40, 9, 70], 20, 0, False),  # MHA: 64 tokens a tile; 9 rows, a tile barely
+    (64, 8, 64, 64, [300], 200, 128, True),  # gpt-oss: window and sinks across tiles
+    (8, 2, 80, 48, [33, 600], 30, 17, False),  # odd dims, a window shorter than a key block
+    (32, 8, 128, 128, [50, 200], 9, 0, False),  # Mixtral ratio 4: 9 rows, one padded tile
+    (40, 1, 96, 72, [130], 130, 0, True),  # one kv head for 40 (rows padded past a vector), sinks
 ]
 
 
