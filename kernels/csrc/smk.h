@@ -11,6 +11,9 @@
 #include <cstring>
 
 #define SMK_API extern "C" __attribute__((visibility("default")))
+// For small kernels called per key or row inside a hot loop, which GCC would otherwise keep as calls
+// (and then spill their register accumulators to the stack).
+#define SMK_ALWAYS_INLINE inline __attribute__((always_inline))
 
 namespace smk {
 
