@@ -71,29 +71,17 @@ constexpr int kMinRun = 256;  // keys per run of a split context: below this the
 constexpr int kTileMinRows = 8;  // query rows of a sequence from which tiles beat per-row units
 constexpr int kTileRows = 64;    // rows (tokens x the heads sharing a kv head) a tile unit aims at
 
-struct TileJob {
-    const AttnTileFn fn;
-    std::vector<AttnTile>& units;
+// A list of units shared out across the pool, each thread taking the next one.
+template <class Unit>
+struct UnitJob {
+    void (*const fn)(const Unit&);
+    std::vector<Unit>& units;
     std::atomic<int> next{0};
 };
 
-void tile_job(void* p, int) {
-    auto* j = static_cast<TileJob*>(p);
-    for (;;) {
-        const int i = j->next.fetch_add(1, std::memory_order_relaxed);
-        if (i >= int(j->units.size())) return;
-        j->fn(j->units[i]);
-    }
-}
-
-struct AttnJob {
-    const AttnUnitFn fn;
-    std::vector<AttnUnit>& units;
-    std::atomic<int> next{0};
-};
-
-void attn_job(void* p, int) {
-    auto* j = static_cast<AttnJob*>(p);
+template <class Unit>
+void unit_job(void* p, int) {
+    auto* j = static_cast<UnitJob<Unit>*>(p);
     for (;;) {
         const int i = j->next.fetch_add(1, std::memory_order_relaxed);
         if (i >= int(j->units.size())) return;
@@ -163,11 +151,11 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
         std::vector<AttnTile> sorted;
         sorted.reserve(tiles.size());
         for (int i : order) sorted.push_back(tiles[i]);
-        TileJob job{K.attn_tile, sorted};
+        UnitJob<AttnTile> job{K.attn_tile, sorted};
         if (nthreads == 1 || sorted.size() == 1) {
-            tile_job(&job, 0);
+            unit_job<AttnTile>(&job, 0);
         } else {
-            parallel(tile_job, &job);
+            parallel(unit_job<AttnTile>, &job);
         }
     }
     if (ranges.empty()) return 0;
@@ -195,11 +183,11 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
         float* p = part.data() + i * size_t(R) * (2 + size_t(Dv));
         units[i].max = p; units[i].sum = p + R; units[i].acc = p + 2 * R;
     }
-    AttnJob job{K.attn_unit, units};
+    UnitJob<AttnUnit> job{K.attn_unit, units};
     if (nthreads == 1 || units.size() <= 1 || keys * int64_t(Dk + Dv) * R < (int64_t(1) << 15)) {
-        attn_job(&job, 0);
+        unit_job<AttnUnit>(&job, 0);
     } else {
-        parallel(attn_job, &job);
+        parallel(unit_job<AttnUnit>, &job);
     }
     // merge each range's runs: out = sum_i acc_i * e^(max_i - M) / (sum_i sum_i * e^(max_i - M) + e^(sink - M))
     for (size_t i = 0; i < ranges.size(); ++i) {
