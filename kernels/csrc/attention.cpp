@@ -117,7 +117,6 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
     struct Range { int t, g; int64_t slot_base; int lo, hi; };
     std::vector<Range> ranges;
     std::vector<AttnTile> tiles;
-    std::vector<int64_t> tile_cost;
     int64_t keys = 0;
     for (int s = 0; s < n_seqs; ++s) {
         const int64_t t0 = seqs[4 * s], nt = seqs[4 * s + 1], base = seqs[4 * s + 2], ctx = seqs[4 * s + 3];
@@ -128,11 +127,7 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
             const int block = std::max(1, kTileRows / R);
             for (int64_t b = t0; b < t0 + nt; b += block) {
                 const int n = int(std::min<int64_t>(block, t0 + nt - b));
-                const int64_t span = q_index[b + n - 1] + 1 - (window > 0 ? std::max<int64_t>(0, q_index[b] - window + 1) : 0);
-                for (int g = 0; g < G; ++g) {
-                    tiles.push_back({&a, g, int(b), n, window, slots + base, q_index, sinks, out});
-                    tile_cost.push_back(span * n);
-                }
+                for (int g = 0; g < G; ++g) tiles.push_back({&a, g, int(b), n, window, slots + base, q_index, sinks, out});
             }
             continue;
         }
@@ -145,14 +140,13 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
     }
     if (!tiles.empty()) {
         // the costliest first (the prompt's last tokens see the most keys), so the pool ends together
-        std::vector<int> order(tiles.size());
-        for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
-        std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return tile_cost[x] > tile_cost[y]; });
-        std::vector<AttnTile> sorted;
-        sorted.reserve(tiles.size());
-        for (int i : order) sorted.push_back(tiles[i]);
-        UnitJob<AttnTile> job{K.attn_tile, sorted};
-        if (nthreads == 1 || sorted.size() == 1) {
+        const auto cost = [&](const AttnTile& u) {
+            const int64_t first = window > 0 ? std::max<int64_t>(0, q_index[u.t0] - window + 1) : 0;
+            return (q_index[u.t0 + u.nt - 1] + 1 - first) * u.nt;
+        };
+        std::stable_sort(tiles.begin(), tiles.end(), [&](const AttnTile& x, const AttnTile& y) { return cost(x) > cost(y); });
+        UnitJob<AttnTile> job{K.attn_tile, tiles};
+        if (nthreads == 1 || tiles.size() == 1) {
             unit_job<AttnTile>(&job, 0);
         } else {
             parallel(unit_job<AttnTile>, &job);

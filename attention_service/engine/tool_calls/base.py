@@ -269,17 +269,18 @@ class SectionedCallsParser(StatesParser):
 
     def _content(self, final: bool) -> bool:
         marker = self._content_until((self.SECTION_BEGIN, self.CALL_BEGIN), final)
-        if marker is None:
-            return False
-        self._state = "section" if marker == self.SECTION_BEGIN else "header"
-        return True
+        return self._branch(marker, self.SECTION_BEGIN, "section", "header")
 
     def _section(self, final: bool) -> bool:
         """Between calls: the next call, or the end of the section."""
         marker = self._skip_until((self.CALL_BEGIN, self.SECTION_END), final)
+        return self._branch(marker, self.CALL_BEGIN, "header", "content")
+
+    def _branch(self, marker: str | None, first: str, if_first: str, otherwise: str) -> bool:
+        """The next state by which of two markers was found; False while neither has arrived."""
         if marker is None:
             return False
-        self._state = "header" if marker == self.CALL_BEGIN else "content"
+        self._state = if_first if marker == first else otherwise
         return True
 
     def _args(self, final: bool) -> bool:
