@@ -17,9 +17,10 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import torch
-
 import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
+
+# isort: split
+import torch
 
 
 class Timers:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import time
 
+import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
+
+# isort: split
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-import splitmoe  # noqa: F401 - first: the runtimes' defaults, before torch loads (splitmoe/__init__.py)
 from splitmoe.kernels import native
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.moe import ExpertFFN, moe_forward

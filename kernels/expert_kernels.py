@@ -33,6 +33,7 @@ from splitmoe.kernels.int4pack import Int4Expert
 from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
 from splitmoe.kernels.quants import QuantTensor
 from splitmoe.kernels.quants import dequantize as ref_dequantize
+from splitmoe.kernels.torch_threads import configured_threads
 
 try:
     from splitmoe.kernels import native
@@ -85,8 +86,9 @@ def native_supports(ffn: ExpertFFN) -> bool:
 
 def sync_native_threads() -> None:
     """The native pool as wide as torch's intra-op pool (which `--threads` sets)."""
-    if native_available() and native.get_num_threads() != torch.get_num_threads():
-        native.set_num_threads(torch.get_num_threads())
+    threads = configured_threads()  # not 1 inside a step that narrowed torch (kernels/torch_threads.py)
+    if native_available() and native.get_num_threads() != threads:
+        native.set_num_threads(threads)
 
 
 def dequantize(w: QuantTensor, dtype: torch.dtype, out: torch.Tensor | None = None,

@@ -31,6 +31,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.quants import QuantTensor
+from splitmoe.kernels.torch_threads import configured_threads
 
 log = logging.getLogger("splitmoe.kernels")
 
@@ -70,7 +71,7 @@ def _load() -> None:
             _lib = lib
             AVAILABLE = True
             _native_types = frozenset(t for t in range(64) if lib.smk_supports(t))
-            _lib.smk_set_num_threads(max(1, torch.get_num_threads()))
+            _lib.smk_set_num_threads(max(1, configured_threads()))
             return
     log.warning("native kernels unavailable, using the pure-torch fallback: %s", UNAVAILABLE_REASON)
 

@@ -6,6 +6,7 @@ together and returns their logits.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.attention_service.model.weights import load_weights
 from splitmoe.attention_service.models import arch_spec
+from splitmoe.kernels.expert_kernels import native_available
+from splitmoe.kernels.linear import SMALL_BATCH_ROWS
+from splitmoe.kernels.torch_threads import one_torch_thread
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 
@@ -91,11 +95,18 @@ class ModelRunner:
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
         batch = self._build_batch(seqs, num_new_tokens, all_logits)
-        logits = self.model.forward(batch, self.kv)
+        with one_torch_thread() if self._native_heavy(batch) else contextlib.nullcontext():
+            logits = self.model.forward(batch, self.kv)
         for s, n in zip(seqs, num_new_tokens):
             s.num_cached_tokens += n
             self.blocks.commit(s)  # only now: a step that fails must leave no named block behind
         return logits
+
+    def _native_heavy(self, batch: StepBatch) -> bool:
+        """Whether the step's matmuls, attention and experts all run in the native pool: the fast
+        path on the CPU with few enough rows for the int8 kernels. Torch then only glues."""
+        return (self.options.device.type == "cpu" and self.options.dtype != torch.float32 and native_available()
+                and batch.num_tokens <= SMALL_BATCH_ROWS)
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
