@@ -32,8 +32,6 @@ struct SmkExpert {
 
 namespace {
 
-
-
 struct MoeCtx {
     const SmkExpert* experts;
     int D, F;
@@ -175,9 +173,14 @@ SMK_API int smk_moe_forward(const SmkExpert* experts, const int32_t* expert_inde
     c.hrec = hrec;
     const int nt = num_threads();
     const int n_active = int(c.act_expert.size());
-    // phase 1: about 8 items per thread, at least 16 rows each
+    // Few, long work items: each item streams its rows of an expert's matrix from memory, and the
+    // hardware prefetcher starts cold at every item's first rows. Measured on a decode step's
+    // layers (Zen 5, 2 threads): phase 3 at 2 items a thread instead of 8 took 0.454 -> 0.409 ms a
+    // layer for 1 token, 5.28 -> 5.04 for 16; phase 1 at 4 instead of 8 (whole experts for 1
+    // token) 0.405 -> 0.392. Two items a thread still let a thread that falls behind be helped.
+    // phase 1: about 4 items per thread, at least 16 rows each
     {
-        int per = std::max(16, (n_active * F + nt * 8 - 1) / (nt * 8));
+        int per = std::max(16, (n_active * F + nt * 4 - 1) / (nt * 4));
         per = std::min(F, (per + 15) / 16 * 16);
         c.p1_chunk = per;
         c.p1_per_expert = (F + per - 1) / per;
@@ -191,7 +194,7 @@ SMK_API int smk_moe_forward(const SmkExpert* experts, const int32_t* expert_inde
     }
     // phase 3
     {
-        int per = std::max(16, (D + nt * 8 - 1) / (nt * 8));
+        int per = std::max(16, (D + nt * 2 - 1) / (nt * 2));
         c.p3_chunk = std::min(D, (per + 15) / 16 * 16);
         if (nt == 1) phase3(&c, 0); else parallel(phase3, &c);
     }
