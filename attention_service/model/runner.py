@@ -71,6 +71,11 @@ class ModelRunner:
         self.kv = KVCache(cfg.num_layers, num_blocks, options.kv_block_tokens, model.kv_entry_shapes(),
                           options.dtype, options.device)
         self.blocks = BlockManager(num_blocks, options.kv_block_tokens, options.prefix_caching)
+        # Steps of at most this many rows run their matmuls, attention and experts in the native
+        # pool (the fast path on the CPU, rows the int8 kernels take): torch only glues, on one
+        # thread (kernels/torch_threads.py). 0: never (the exact float32 mode computes with torch).
+        native_fast = options.device.type == "cpu" and options.dtype != torch.float32 and native_available()
+        self._glue_only_rows = SMALL_BATCH_ROWS if native_fast else 0
 
     @classmethod
     def from_gguf(cls, model: str | os.PathLike | GGUFFile, options: RunnerOptions | None = None,
@@ -95,18 +100,12 @@ class ModelRunner:
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
         batch = self._build_batch(seqs, num_new_tokens, all_logits)
-        with one_torch_thread() if self._native_heavy(batch) else contextlib.nullcontext():
+        with one_torch_thread() if batch.num_tokens <= self._glue_only_rows else contextlib.nullcontext():
             logits = self.model.forward(batch, self.kv)
         for s, n in zip(seqs, num_new_tokens):
             s.num_cached_tokens += n
             self.blocks.commit(s)  # only now: a step that fails must leave no named block behind
         return logits
-
-    def _native_heavy(self, batch: StepBatch) -> bool:
-        """Whether the step's matmuls, attention and experts all run in the native pool: the fast
-        path on the CPU with few enough rows for the int8 kernels. Torch then only glues."""
-        return (self.options.device.type == "cpu" and self.options.dtype != torch.float32 and native_available()
-                and batch.num_tokens <= SMALL_BATCH_ROWS)
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
