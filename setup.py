@@ -9,8 +9,10 @@ same wheel or image must run on any x86-64 machine).
 """
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 # One namespace in site-packages: the design card's top-level folders become splitmoe.<folder>
 # (splitmoe/__init__.py does the same for a source checkout).
@@ -57,7 +59,34 @@ if (sys.platform.startswith("linux") or sys.platform == "darwin") and os.environ
         )
     )
 
+
+class ParallelBuildExt(build_ext):
+    """Compiles an extension's sources side by side, one compiler process per CPU (or per -j N).
+    setuptools compiles them one after another, and its own --parallel only runs whole extensions
+    side by side, of which there is one: its 13 sources take 15-24 s one by one on 2 cores, 12 s
+    two at a time, and the longest (dot_avx512.cpp) 8 s alone, what 13 cores or more take."""
+
+    def build_extension(self, ext):
+        compile_one = self.compiler.compile
+        jobs = _usable_cpus() if self.parallel in (None, True) else max(1, int(self.parallel))  # -j 1: serial
+
+        def compile_all(sources, *args, **kwargs):
+            with ThreadPoolExecutor(max(1, min(jobs, len(sources)))) as pool:
+                return [obj for objs in pool.map(lambda src: compile_one([src], *args, **kwargs), sources)
+                        for obj in objs]
+
+        self.compiler.compile = compile_all
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_one
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # The gateway's chat page (HTML, JS, CSS) travels with its package: it is served from there. So does
 # the trained demo model (splitmoe/demo/), what `splitmoe up` serves when given no model.
-setup(ext_modules=ext_modules, package_dir=package_dir, packages=packages,
+setup(ext_modules=ext_modules, cmdclass={"build_ext": ParallelBuildExt}, package_dir=package_dir, packages=packages,
       package_data={"splitmoe.gateway": ["static/*"], "splitmoe.demo": ["*.gguf"]})

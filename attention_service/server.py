@@ -339,12 +339,23 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         blocks = m.runner.blocks
         stats = pb.AttentionStats(
             num_running=running, num_waiting=waiting,
-            kv_cache_usage=1.0 - blocks.num_free_blocks / m.runner.kv.num_blocks,
+            kv_cache_usage=1.0 - blocks.num_free_blocks / blocks.pool.num_blocks,
             num_steps=m.engine.stats.num_steps, max_batch_seqs_seen=m.engine.stats.max_batch_seqs,
             max_batch_tokens_seen=m.engine.stats.max_batch_tokens,
-            prefix_cache_queries=blocks.prefix_stats.queries, prefix_cache_hits=blocks.prefix_stats.hits)
+            prefix_cache_queries=blocks.prefix_stats.queries, prefix_cache_hits=blocks.prefix_stats.hits,
+            device=str(m.runner.options.device))
+        _add_device_memory(stats, m)
         await asyncio.to_thread(_add_expert_stats, stats, m)
         return stats
+
+
+def _add_device_memory(stats: pb.AttentionStats, model: ServingModel) -> None:
+    """On a GPU: its name and what its memory holds, by use (gpu/memory.py)."""
+    memory = model.runner.device_memory()
+    if memory is not None:
+        stats.device = memory.device
+        for kind, num_bytes in memory.by_kind.items():
+            stats.device_memory.add(kind=kind, bytes=num_bytes)
 
 
 def _add_expert_stats(stats: pb.AttentionStats, model: ServingModel) -> None:

@@ -19,14 +19,19 @@ from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingO
 from splitmoe.attention_service.engine.scheduler import Scheduler
 from splitmoe.attention_service.engine.tool_calls import ToolCalling, ToolCallText, ToolFormat, detect_tool_format
 from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.experts.device_experts import DeviceExperts
+from splitmoe.attention_service.experts.gpu_hot import GpuHotExperts, choose_gpu_experts
+from splitmoe.attention_service.experts.heat import load_heat
 from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts
 from splitmoe.attention_service.model.runner import ModelRunner, check_experts_per_token, dtype_name
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.chat_template import ChatTemplate
+from splitmoe.modelfile.experts import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_parts import model_stem
+from splitmoe.modelfile.hparams import ModelConfig
 from splitmoe.modelfile.tokenizer import Tokenizer
 from splitmoe.runtime.memory import MIB, Resident, resident
 from splitmoe.runtime.settings import repack_cache_dir
@@ -177,6 +182,9 @@ def log_memory(runner: ModelRunner, before: Resident | None) -> None:
     """What the load cost in memory: the file is mapped; what the load added of the process's own
     pages is the dequantized copies (float32 norms and router, dense copies of types without a
     native kernel) and the buffers; the KV cache is reserved and filled as it is used."""
+    device = runner.device_memory()
+    if device is not None:
+        log.info("GPU memory after load: %s", device.describe())
     after = resident()
     kv_bytes = runner.kv.reserved_bytes
     if after is None or before is None:
@@ -189,4 +197,18 @@ def log_memory(runner: ModelRunner, before: Resident | None) -> None:
 
 def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:
     cache = RepackCache(repack_cache_dir())
-    return InProcessExperts(g, cache) if settings.experts is None else RemoteExperts(g, settings.experts, cache)
+    backend = InProcessExperts(g, cache) if settings.experts is None else RemoteExperts(g, settings.experts, cache)
+    return with_gpu_experts(g, backend, settings) if settings.gpu_experts else backend
+
+
+def with_gpu_experts(g: GGUFFile, backend: ExpertBackend, settings: AttentionSettings) -> ExpertBackend:
+    """`backend` with the hottest experts (--gpu-experts) computed in GPU memory (experts/gpu_hot.py)."""
+    heat_file = settings.experts.heat_file if settings.experts is not None else ""
+    num_layers, num_experts = ModelConfig.from_gguf(g).num_layers, expert_count(g)
+    rates = load_heat(heat_file, g.file_id, (num_layers, num_experts)) if heat_file else None
+    keys = choose_gpu_experts(g, settings.gpu_experts, rates)
+    if not keys:
+        log.warning("--gpu-experts: no expert fits the budget; every routed expert stays on the CPU")
+        return backend
+    device = DeviceExperts(g, keys, settings.runner.device)
+    return GpuHotExperts(backend, device, num_layers, num_experts)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitmoe.attention_service.engine.tool_calls import FORMATS
+from splitmoe.attention_service.experts.load_plan import HeatBudget
 from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import RunnerOptions
 from splitmoe.runtime.cluster_auth import ClusterSecurity
@@ -38,6 +39,8 @@ class AttentionSettings:
     tool_call_parser: str = "auto"  # auto: from the vocabulary and template | a format's name | none
     # The secret its callers must present (the expert services' is `experts.security`); TLS
     security: ClusterSecurity = ClusterSecurity()
+    # The hottest routed experts kept in GPU memory (experts/gpu_hot.py); needs a CUDA device.
+    gpu_experts: HeatBudget = HeatBudget()
 
     def __post_init__(self):
         if self.reasoning_format not in ("auto", "none"):
@@ -47,3 +50,6 @@ class AttentionSettings:
                              f"not {self.tool_call_parser!r}")
         if self.max_batch_tokens < 1 or self.max_running_seqs < 1:
             raise ValueError("max_batch_tokens and max_running_seqs must be >= 1")
+        if self.gpu_experts and self.runner.device.type != "cuda":
+            raise ValueError(f"--gpu-experts keeps experts in GPU memory: it needs --device cuda, "
+                             f"not {self.runner.device}")

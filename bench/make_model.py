@@ -43,6 +43,9 @@ class Shape:
 SHAPES = {
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 768, 6144, 151936, 40960, 1e6, 1e-6,
                            False, "qwen2"),
+    # Qwen3-235B-A22B's config.json (94 layers; 12288 is stated though no layer is dense).
+    "qwen3-235b-a22b": Shape("qwen3moe", 94, 4096, 64, 4, 128, 128, 8, 1536, 12288, 151936, 40960, 1e6, 1e-6,
+                             False, "qwen2"),
     "olmoe-1b-7b": Shape("olmoe", 16, 2048, 16, 16, 128, 64, 8, 1024, 1024, 50304, 4096, 1e4, 1e-5,
                          True, "olmo"),
 }

@@ -13,6 +13,8 @@ ROWS = (
     ("decode tok/s ({streams} streams, total)", "decode16_tok_s", "inprocess_decode16_tok_s",
      "llamacpp_decode16_tok_s", "ceiling_decode16_tok_s", True),
     ("per-hop overhead, µs", "hop_us", None, None, None, False),
+    # bench.services.step_share: 1 - the busiest expert service's compute / the phase's wall time
+    ("{streams}-stream step outside the expert services, %", "outside_experts_pct", None, None, None, False),
 )
 HEADER = ("metric", "splitmoe services", "in-process", "llama.cpp", "vs llama.cpp", "ceiling", "% of ceiling")
 
@@ -44,11 +46,16 @@ def table(figures: dict) -> str:
         ceiling = figures.get(ceiling_key) if ceiling_key else None
         pct = 100.0 * ours / ceiling if _positive(ours) and _positive(ceiling) else None
         rows.append((label.format(prompt=workload.get("prompt_tokens", "?"), streams=workload.get("streams", "?")),
-                     _num(ours), _num(figures.get(inproc_key)) if inproc_key else "",
-                     _num(figures.get(llama_key)) if llama_key else "",
+                     number(ours), number(figures.get(inproc_key)) if inproc_key else "",
+                     number(figures.get(llama_key)) if llama_key else "",
                      f"{r:.2f}×" if r is not None else ("-" if llama_key else ""),
-                     _num(ceiling) if ceiling_key else "", f"{pct:.0f}%" if pct is not None else ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+                     number(ceiling) if ceiling_key else "", f"{pct:.0f}%" if pct is not None else ""))
+    return markdown_table(rows)
+
+
+def markdown_table(rows: list[tuple[str, ...]]) -> str:
+    """rows[0] is the header; the first column is left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                for i, (cell, w) in enumerate(zip(row, widths))) + " |" for row in rows]
     lines.insert(1, "|" + "|".join(("-" * (w + 1) + ":") if i else ("-" * (w + 2)) for i, w in enumerate(widths)) + "|")
@@ -60,7 +67,7 @@ def context_lines(figures: dict) -> list[str]:
     touched = f.get("touched_expert_bytes_per_step16")
     lines = [
         f"model {f['model']}; {f['threads']} threads (attention {f['attention_threads']}, expert services "
-        f"{'+'.join(map(str, f['expert_threads'])) or 'none'}); attention dtype {f['dtype']}; "
+        f"{'+'.join(map(str, f['expert_threads'])) or 'none'}); attention {attention_device(f)}, dtype {f['dtype']}; "
         f"transport {f['transport']}; native kernels {f.get('native_isa') or 'none'}",
         f"memory read bandwidth {f['bandwidth_gb_s']:.1f} GB/s; routed experts {_mb(f['expert_bytes_per_token'])} MB "
         f"per token, {_mb(touched)} MB per {f['workload']['streams']}-stream step "
@@ -73,11 +80,17 @@ def context_lines(figures: dict) -> list[str]:
     return lines
 
 
+def attention_device(figures: dict) -> str:
+    """Where the attention service ran: "cpu", or "cuda (NVIDIA H100 80GB HBM3)"."""
+    device = figures.get("attention_device", "cpu")
+    return f"{device} ({figures['gpu']})" if figures.get("gpu") else device
+
+
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def _num(x) -> str:
+def number(x) -> str:
     if not _positive(x):
         return "-"
     if x >= 100:

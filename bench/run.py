@@ -19,6 +19,7 @@ from splitmoe.bench.workload import Workload, make_prompts, normal_token_ids
 from splitmoe.runtime.memory import MIB
 
 BASELINES = ("none", "llama.cpp")
+ATTENTION_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class BenchSettings:
     expert_services: int = 1            # one per NUMA node is the design (the CLI's default counts them)
     transport: str = "auto"
     dtype: str = "bfloat16"            # the attention side's (float32 is the exact reference path)
+    attention_device: str = "cpu"      # the attention service's; the in-process run stays on the CPU
     omp_wait_policy: str = "PASSIVE"   # for the service processes; "" leaves OpenMP's default
     pin_threads: bool = True           # as `splitmoe up` runs them (its --no-pin-threads: False)
     inprocess: bool = True
@@ -45,6 +47,9 @@ class BenchSettings:
             raise ValueError(f"--expert-services must be >= 0, got {self.expert_services}")
         if self.bandwidth_mb < 16:
             raise ValueError(f"--bandwidth-mb must be >= 16, got {self.bandwidth_mb}")
+        if self.attention_device not in ATTENTION_DEVICES:
+            raise ValueError(f"--attention-device must be one of {', '.join(ATTENTION_DEVICES)}, "
+                             f"got {self.attention_device!r}")
 
 
 def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> dict:
@@ -63,6 +68,9 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
         if not available():  # before minutes of measuring, not after
             raise ValueError(f"--baseline llama.cpp needs the {PACKAGE} package: pip install 'splitmoe[bench]'")
+    gpu = gpu_name() if s.attention_device == "cuda" else None
+    if s.attention_device == "cuda" and gpu is None:
+        raise ValueError("--attention-device cuda: torch sees no CUDA GPU here")
     run_dir = make_run_dir(s.run_dir or "")
     say(f"splitmoe bench run: {Path(s.model_path).name}, {s.threads} threads; logs in {run_dir}/")
     g = GGUFFile(s.model_path)
@@ -77,12 +85,17 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     def lap(name: str) -> None:
         wall[name] = time.perf_counter() - started - sum(v for k, v in wall.items() if k != "services_startup")
 
-    say(f"  services: attention + {s.expert_services} expert services")
+    say(f"  services: attention (on {gpu or s.attention_device}) + {s.expert_services} expert services")
     services = run_services(s.model_path, w, prompts, ServicesOptions(
         threads=s.threads, expert_services=s.expert_services, transport=s.transport, dtype=s.dtype,
-        omp_wait_policy=s.omp_wait_policy, pin_threads=s.pin_threads), run_dir, say)
+        attention_device=s.attention_device, omp_wait_policy=s.omp_wait_policy, pin_threads=s.pin_threads),
+        run_dir, say)
     m = services.measured
     say(_summary(m, w) + (f", per hop {services.hop_us:.0f} µs" if services.hop_us else ""))
+    share = services.streams_share
+    if share is not None and share.outside_experts is not None:
+        say(f"    {w.streams}-stream steps: {share.step_ms:.1f} ms each, "
+            f"{100 * share.outside_experts:.1f}% outside the expert services")
     lap("services")
     wall["services_startup"] = services.startup_s  # part of "services"
     detail = {"services": asdict(m), "wall_s": wall}
@@ -90,6 +103,8 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     figures: dict = {"prefill_tok_s": m.prefill_tok_s, "decode_tok_s": m.decode_tok_s,
                      "decode16_tok_s": m.decode16_tok_s, "ttft_s": m.ttft_s, "hop_us": services.hop_us,
                      "hop_us_method": services.hop_method,
+                     "outside_experts_pct": _pct(share.outside_experts) if share else None,
+                     "streams_step": _share_figures(share),
                      "memory_mib": {name: {"own": r.own_bytes / MIB, "mapped_file": r.file_bytes / MIB,
                                            "shared": r.shared_bytes / MIB} for name, r in services.memory.items()}}
     for name, r in services.memory.items():
@@ -134,6 +149,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         "ceiling_all_weights_decode16_tok_s": ceiling_tok_s(bandwidth, touched + dense, w.streams),
         "model": str(Path(s.model_path).resolve()), "threads": s.threads, "attention_threads": s.threads,
         "expert_services": s.expert_services, "expert_threads": services.expert_threads, "dtype": s.dtype,
+        "attention_device": s.attention_device, "gpu": gpu,
         "transport": services.transport, "omp_wait_policy": s.omp_wait_policy or "default",
         "pin_threads": s.pin_threads,
         "bandwidth_gb_s": bandwidth, "expert_bytes_per_token": expert_bytes.per_token,
@@ -154,6 +170,19 @@ def _curve(m, w: Workload) -> dict[int, float]:
     return dict(sorted({1: m.decode_tok_s, w.streams: m.decode16_tok_s, **m.sweep_tok_s}.items()))
 
 
+def _pct(share: float | None) -> float | None:
+    return None if share is None else 100.0 * share
+
+
+def _share_figures(share) -> dict | None:
+    """The concurrent streams' phase as bench.services.step_share measured it (see its docstring)."""
+    if share is None:
+        return None
+    return {**asdict(share), "step_ms": share.step_ms, "outside_experts_pct": _pct(share.outside_experts),
+            "outside_hops_pct": _pct(share.outside_hops),
+            "definition": "1 - the busiest expert service's compute / the phase's wall time (step_share)"}
+
+
 def _summary(m, w: Workload) -> str:
     return (f"    prefill {m.prefill_tok_s:.1f} tok/s, first token {m.ttft_s:.3f} s, "
             f"decode {m.decode_tok_s:.2f} tok/s, {w.streams} streams {m.decode16_tok_s:.2f} tok/s")
@@ -166,6 +195,7 @@ def command_line(s: BenchSettings) -> str:
     for flag, value, default in [
             ("--baseline", s.baseline, d.baseline), ("--expert-services", s.expert_services, d.expert_services),
             ("--transport", s.transport, d.transport), ("--dtype", s.dtype, d.dtype),
+            ("--attention-device", s.attention_device, d.attention_device),
             ("--omp-wait-policy", s.omp_wait_policy or "default", d.omp_wait_policy),
             ("--bandwidth-mb", s.bandwidth_mb, d.bandwidth_mb), ("--prompt-tokens", w.prompt_tokens, dw.prompt_tokens),
             ("--decode-tokens", w.decode_tokens, dw.decode_tokens), ("--streams", w.streams, dw.streams),
@@ -183,6 +213,16 @@ def cpu_model() -> str:
     from splitmoe.kernels.cpu_features import cpu_model as model
 
     return model()
+
+
+def gpu_name() -> str | None:
+    """The name of the CUDA GPU torch sees (the first), or None: none, or a CPU-only torch."""
+    import torch
+
+    try:
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except (RuntimeError, AssertionError):  # a driver that answers is_available but fails the query
+        return None
 
 
 def native_isa() -> str | None:

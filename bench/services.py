@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from splitmoe.bench.driver import SINGLE_END, SINGLE_FIRST_TOKEN, SINGLE_START, Measured, measure
+from splitmoe.bench.driver import (
+    SINGLE_END,
+    SINGLE_FIRST_TOKEN,
+    SINGLE_START,
+    STREAMS_END,
+    STREAMS_START,
+    Measured,
+    measure,
+)
 from splitmoe.bench.workload import Prompts, Workload
 from splitmoe.runtime.memory import Resident, resident
 
@@ -30,6 +38,7 @@ class ServicesOptions:
     expert_services: int = 1
     transport: str = "auto"            # the attention service's --transport
     dtype: str = "bfloat16"            # the attention service's --dtype (bfloat16: the fast path)
+    attention_device: str = "cpu"      # the attention service's --device: "cpu" or "cuda"
     omp_wait_policy: str = "PASSIVE"   # for every child; "" leaves OpenMP's default
     pin_threads: bool = True           # `splitmoe up`'s thread pinning (its --no-pin-threads: False)
     startup_timeout_s: float = 600.0
@@ -41,6 +50,8 @@ class ServicesResult:
     measured: Measured
     hop_us: float | None               # None without expert services (nothing crosses a process)
     hop_method: str                    # how hop_us was computed from GetStats
+    streams_share: StepShare | None    # where the concurrent streams' steps spent their time; None without
+                                       # expert services
     transport: str                     # what the attention service says its expert streams use
     expert_threads: list[int]
     startup_s: float                   # from the first process started to the attention service healthy
@@ -66,8 +77,8 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
             startup_s = time.perf_counter() - started
             say(f"    services ready in {startup_s:.0f} s")
             security = ClusterSecurity(token=settings.cluster_token)
-            measured, hops = asyncio.run(_drive(supervisor, attention_address, security, workload, prompts, options,
-                                                say))
+            measured, hops, share = asyncio.run(_drive(supervisor, attention_address, security, workload, prompts,
+                                                       options, say))
             memory = {c.name: r for c in supervisor.children if (r := resident(c.pid)) is not None}
         except StopRequested:
             raise KeyboardInterrupt from None
@@ -76,8 +87,8 @@ def run_services(model_path: str, workload: Workload, prompts: Prompts, options:
     else:
         transport = (hops.transport if hops else "") or expert_transport(run_dir / "attention.log")
     threads = split_threads(options.threads, options.expert_services) if options.expert_services else []
-    return ServicesResult(measured, hops.us if hops else None, hops.method if hops else "", transport, threads,
-                          startup_s, memory)
+    return ServicesResult(measured, hops.us if hops else None, hops.method if hops else "", share, transport,
+                          threads, startup_s, memory)
 
 
 def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -> str:
@@ -90,20 +101,25 @@ def _start(supervisor, settings, options: ServicesOptions, workload: Workload) -
         specs = expert_specs(settings, expert_count_of(settings.model_path), ports)
         supervisor.start_stage([dataclasses.replace(s, argv=(*env, *s.argv)) for s in specs])
     attention = attention_spec(settings, free_port(), [f"127.0.0.1:{p}" for p in ports])
-    w = workload
-    extra = ("--dtype", options.dtype, "--device", "cpu", "--transport", options.transport,
-             "--kv-cache-tokens", str(w.kv_tokens()),
-             # the whole prompt in one step, and all the streams' prompts in one step
-             "--max-batch-tokens", str(max(512, w.prompt_tokens, w.streams * w.stream_prompt_tokens)),
-             "--max-running", str(max(64, w.streams)))
+    extra = attention_options(options, workload)
     supervisor.start_stage([dataclasses.replace(attention, argv=(*env, *attention.argv, *extra))])
     for child in supervisor.children:  # health is known; an open probe channel would only log the services' exit
         child.probe.close()
     return attention.address
 
 
+def attention_options(options: ServicesOptions, workload: Workload) -> tuple[str, ...]:
+    """`serve-attention`'s options for the benchmark, after those `splitmoe up` gives it."""
+    w = workload
+    return ("--dtype", options.dtype, "--device", options.attention_device, "--transport", options.transport,
+            "--kv-cache-tokens", str(w.kv_tokens()),
+            # the whole prompt in one step, and all the streams' prompts in one step
+            "--max-batch-tokens", str(max(512, w.prompt_tokens, w.streams * w.stream_prompt_tokens)),
+            "--max-running", str(max(64, w.streams)))
+
+
 async def _drive(supervisor, address: str, security, workload: Workload, prompts: Prompts, options: ServicesOptions,
-                 say: Callable[[str], None]) -> tuple[Measured, HopOverhead | None]:
+                 say: Callable[[str], None]) -> tuple[Measured, HopOverhead | None, StepShare | None]:
     from splitmoe.gateway.attention_client import AttentionClient
     from splitmoe.gateway.settings import GatewaySettings
     from splitmoe.proto.attention_pb2_grpc import AttentionServiceStub
@@ -121,7 +137,9 @@ async def _drive(supervisor, address: str, security, workload: Workload, prompts
         if work.exception() is not None:
             _check_children(supervisor)  # a failed call because a service died: say which
         measured = work.result()
-        return measured, (await engine.hop_overhead()) if options.expert_services else None
+        if not options.expert_services:
+            return measured, None, None
+        return measured, await engine.hop_overhead(), await engine.streams_step_share()
     finally:
         for task in (work, watch):
             task.cancel()
@@ -154,6 +172,7 @@ class ServicesEngine:
     def __init__(self, client, stats_stub):
         self.client, self.stats_stub = client, stats_stub
         self._snapshots: dict[str, asyncio.Task] = {}
+        self._marked_s: dict[str, float] = {}  # perf_counter when each snapshot was asked for
 
     async def generate(self, ids: list[int], max_tokens: int) -> AsyncIterator[float]:
         from splitmoe.gateway.attention_types import GenerateParams
@@ -176,19 +195,29 @@ class ServicesEngine:
 
     def mark(self, moment: str) -> None:
         # Snapshots run beside the stream (a task), so reading tokens never waits for them.
-        if moment in (SINGLE_START, SINGLE_FIRST_TOKEN, SINGLE_END):
+        if moment in (SINGLE_START, SINGLE_FIRST_TOKEN, SINGLE_END, STREAMS_START, STREAMS_END):
             from splitmoe.proto import attention_pb2 as pb
 
+            self._marked_s[moment] = time.perf_counter()
             self._snapshots[moment] = asyncio.ensure_future(self.stats_stub.GetStats(pb.AttentionStatsRequest(),
                                                                                      timeout=60.0))
 
     async def hop_overhead(self) -> "HopOverhead":
         """Over the single stream's decode: from its first token to its end. A short decode on a
         loaded machine can end before the first-token snapshot is answered (no hops in between):
-        then from before the stream, its prompt's hops included."""
-        end = await self._snapshots[SINGLE_END]
-        decode = hop_overhead(await self._snapshots[SINGLE_FIRST_TOKEN], end)
-        return decode if decode.us is not None else hop_overhead(await self._snapshots[SINGLE_START], end)
+        then from before the stream, its prompt's hops included; and should even that snapshot
+        come too late (seen on 2 busy cores), over the concurrent streams' phase."""
+        for start, end in ((SINGLE_FIRST_TOKEN, SINGLE_END), (SINGLE_START, SINGLE_END), (STREAMS_START, STREAMS_END)):
+            found = hop_overhead(await self._snapshots[start], await self._snapshots[end])
+            if found.us is not None:
+                break
+        return found
+
+    async def streams_step_share(self) -> "StepShare":
+        """Over the concurrent streams' phase, from before their requests to after their last
+        token: the service is idle at both snapshots, so the counters hold that phase alone."""
+        wall_s = self._marked_s[STREAMS_END] - self._marked_s[STREAMS_START]
+        return step_share(await self._snapshots[STREAMS_START], await self._snapshots[STREAMS_END], wall_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +256,49 @@ def hop_overhead(before, after) -> HopOverhead:
     if weighted_median > 0:
         return HopOverhead(weighted_median / hops, "median per hop as the attention service reports it", transport)
     return HopOverhead(overhead_s / hops * 1e6, "mean per hop: (round trip - expert compute) sums / hops", transport)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShare:
+    wall_s: float                      # the phase, as the bench process timed it
+    num_steps: int                     # attention-service steps in it
+    expert_s: float                    # the busiest expert service's compute in it
+    hop_s: float                       # the busiest expert service's hop round trips in it
+    outside_experts: float | None      # share of the phase no expert service computed; None: no steps
+    outside_hops: float | None         # share of the phase outside every hop: the attention side alone
+
+    @property
+    def step_ms(self) -> float | None:
+        return 1e3 * self.wall_s / self.num_steps if self.num_steps else None
+
+
+def step_share(before, after, wall_s: float) -> StepShare:
+    """Where the steps between two GetStats snapshots (proto AttentionStats), `wall_s` apart,
+    spent their time: the share outside the expert services is
+
+        1 - max over expert services s of (compute_s_total after - before) / wall_s
+
+    A layer call sends one hop to every expert service at once and waits for them all, and one
+    service computes its hops one after another, so the hops of a call overlap across services
+    and never within one: the busiest service's compute is the time the step waited on expert
+    compute with overlapped hops counted once (exact with one expert service; with several it
+    is a lower bound of their union, so the share errs high: against a "less than" target, the
+    safe side). Everything else is outside: attention, routing, sampling, scheduling and the
+    transport (each hop's round trip less its compute). `outside_hops` takes the round trips
+    (hop_s_total) instead: what the attention side alone spends, transport excluded. With
+    --micro-batches 2 one half's hop can wait behind the other's at a service, so hop_s then
+    counts that queueing twice; the bench runs one micro-batch.
+    """
+    earlier = {h.expert_address: h for h in before.hops}
+    expert_s = hop_s = 0.0
+    for h in after.hops:
+        b = earlier.get(h.expert_address)
+        expert_s = max(expert_s, h.compute_s_total - (b.compute_s_total if b else 0.0))
+        hop_s = max(hop_s, h.hop_s_total - (b.hop_s_total if b else 0.0))
+    num_steps = int(after.num_steps - before.num_steps)
+    if not num_steps or wall_s <= 0:
+        return StepShare(wall_s, num_steps, expert_s, hop_s, None, None)
+    return StepShare(wall_s, num_steps, expert_s, hop_s, 1.0 - expert_s / wall_s, 1.0 - hop_s / wall_s)
 
 
 _TRANSPORT_LINE = re.compile(r"expert service .* over (\w+)")

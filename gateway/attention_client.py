@@ -17,6 +17,7 @@ import grpc
 
 from splitmoe.gateway.attention_types import (
     AttentionStats,
+    DeviceMemory,
     ExpertHeat,
     ExpertTokens,
     GenerateChunk,
@@ -226,4 +227,5 @@ def stats_of(s: pb.AttentionStats) -> AttentionStats:
     hops = tuple(_answer(HopStats, h, address=h.expert_address) for h in s.hops)
     heat = tuple(_answer(ExpertHeat, e, placed_on=tuple(e.placed_on)) for e in s.expert_heat)
     return _answer(AttentionStats, s, hops=hops, expert_tokens=tuple(_answer(ExpertTokens, e) for e in s.expert_tokens),
-                   expert_heat=heat, uncovered_layers=tuple(s.uncovered_layers))
+                   expert_heat=heat, uncovered_layers=tuple(s.uncovered_layers),
+                   device_memory=tuple(_answer(DeviceMemory, m) for m in s.device_memory))

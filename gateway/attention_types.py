@@ -184,6 +184,12 @@ class ExpertHeat:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    kind: str                     # proto/attention.proto DeviceMemory's kinds: weights, kv_cache, ...
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -198,3 +204,5 @@ class AttentionStats:
     expert_heat: tuple[ExpertHeat, ...] = ()
     expert_imbalance: float = 0.0             # max over mean tokens per expert service per layer call
     uncovered_layers: tuple[int, ...] = ()    # MoE layers with an expert no healthy service hosts
+    device: str = ""                          # where attention runs: "cpu" or the GPU's name
+    device_memory: tuple[DeviceMemory, ...] = ()  # on a GPU: its memory by use

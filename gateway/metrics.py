@@ -109,6 +109,19 @@ class StatsCollector(Collector):
             tokens.add_metric([str(count.layer), str(count.expert)], count.tokens)
         yield tokens
         yield from _heat_families(s)
+        yield from _device_families(s)
+
+
+def _device_families(s: AttentionStats) -> Iterator[Metric]:
+    """On a GPU: its memory by use (weights, kv_cache, gpu_experts, graphs, workspace, reserved,
+    capacity; pinned_host is host memory the hops hold page-locked)."""
+    if not s.device_memory:
+        return
+    memory = GaugeMetricFamily("splitmoe:gpu_memory_bytes", "Attention GPU memory by use, in bytes.",
+                               labels=["kind", "device"])
+    for m in s.device_memory:
+        memory.add_metric([m.kind, s.device], m.bytes)
+    yield memory
 
 
 def _heat_families(s: AttentionStats) -> Iterator[Metric]:

@@ -327,7 +327,7 @@ class ExpertTokenCount(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class AttentionStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "uncovered_layers", "expert_heat", "expert_imbalance")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "uncovered_layers", "expert_heat", "expert_imbalance", "device", "device_memory")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,8 @@ class AttentionStats(_message.Message):
     UNCOVERED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_HEAT_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -354,7 +356,17 @@ class AttentionStats(_message.Message):
     uncovered_layers: _containers.RepeatedScalarFieldContainer[int]
     expert_heat: _containers.RepeatedCompositeFieldContainer[ExpertHeat]
     expert_imbalance: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., uncovered_layers: _Optional[_Iterable[int]] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ...) -> None: ...
+    device: str
+    device_memory: _containers.RepeatedCompositeFieldContainer[DeviceMemory]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., uncovered_layers: _Optional[_Iterable[int]] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ..., device: _Optional[str] = ..., device_memory: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ...) -> None: ...
+
+class DeviceMemory(_message.Message):
+    __slots__ = ("kind", "bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    bytes: int
+    def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ExpertHeat(_message.Message):
     __slots__ = ("layer", "expert", "tokens", "tokens_per_s", "placed_on")

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "splitmoe.commands.bench",
     "splitmoe.commands.rebalance",
     "splitmoe.commands.heatmap",
+    "splitmoe.commands.vram",
 )
 
 

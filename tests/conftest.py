@@ -1,13 +1,30 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures"
+# The fixtures beside the clone (CI), or where SPLITMOE_FIXTURES_DIR says: the GPU check carries a
+# subset of them into the tree it sends (bench/gpu/prepare.sh), since ../shared does not travel.
+FIXTURES = Path(os.environ.get("SPLITMOE_FIXTURES_DIR") or REPO.parent / "shared" / "fixtures")
 sys.path.insert(0, str(REPO))  # `tests.support` importable from any rootdir
 
 import splitmoe  # noqa: E402,F401 - before torch: the runtimes' defaults (splitmoe/__init__.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a GPU that torch sees: elsewhere they skip, saying so."""
+    cuda_items = [item for item in items if "cuda" in item.keywords]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch sees none here (bench/gpu/run.sh runs these on a GPU machine)")
+    for item in cuda_items:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

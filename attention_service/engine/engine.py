@@ -18,6 +18,7 @@ import torch
 from opentelemetry import trace
 
 from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
+from splitmoe.attention_service.engine.sampling import Sampled
 from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
 from splitmoe.attention_service.engine.token_mask import TokenMasks
 from splitmoe.attention_service.model.runner import ModelRunner
@@ -123,19 +124,25 @@ class Engine:
     def _run_step(self, step: ScheduledStep) -> None:
         try:
             with _step_span(step):
-                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens).cpu()
+                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens)
         except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
             self._fail(step.requests, e)
             return
         self._count(step)
         # A prompt chunk has nothing to sample yet; the others sample, under their grammar if they have one.
         sampling = [i for i, r in enumerate(step.requests) if r.seq.num_cached_tokens >= r.seq.num_tokens]
+        greedy, rows, logits = _on_host(logits, [step.requests[i] for i in sampling], sampling)
         masked = self.token_masks.masked_rows(
-            logits, [(i, step.requests[i].grammar) for i in sampling if step.requests[i].grammar is not None])
+            logits, [(rows[i], step.requests[i].grammar) for i in rows if step.requests[i].grammar is not None])
         outputs = []
         for i in sampling:
             request = step.requests[i]
-            output = request.accept(request.sampler(masked.get(i, logits[i])))
+            if i in greedy:
+                sampled = greedy[i]
+            else:
+                row = rows[i]
+                sampled = request.sampler(masked[row] if row in masked else logits[row])
+            output = request.accept(sampled)
             if output.finished:
                 self._finish(request)
             outputs.append((request.sink, output))
@@ -188,6 +195,25 @@ class Engine:
             future.set_exception(e)
         finally:
             self.runner.release(seq)
+
+
+def _on_host(logits: torch.Tensor, requests: list[GenerationRequest], indices: list[int],
+             ) -> tuple[dict[int, Sampled], dict[int, int], torch.Tensor]:
+    """(tokens chosen on the device, each other request's row in the host logits, the host logits).
+
+    On a GPU the plainly greedy requests (no penalties, bias, grammar or logprobs) take their
+    argmax there, so only their token ids cross to the host; the others' rows are copied, and only
+    theirs. On the CPU nothing moves: every request samples from its own row."""
+    if logits.device.type == "cpu":
+        return {}, {i: i for i in indices}, logits
+    by_index = dict(zip(indices, requests))
+    plain = [i for i, r in by_index.items() if r.grammar is None and r.sampler.plain_greedy]
+    greedy = {}
+    if plain:
+        tokens = logits[plain].argmax(dim=-1).tolist()  # the first maximum, as the CPU's argmax
+        greedy = {i: by_index[i].sampler.take(token) for i, token in zip(plain, tokens)}
+    rest = [i for i in indices if i not in greedy]
+    return greedy, {i: j for j, i in enumerate(rest)}, logits[rest].cpu() if rest else logits.new_empty(0)
 
 
 def _step_span(step: ScheduledStep):

@@ -97,6 +97,19 @@ class RequestSampler:
             ids = sorted(i for i in (*eos_ids, *options.stop_token_ids) if 0 <= i < vocab_size)
             self._early_stops = torch.tensor(ids, dtype=torch.long)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reads or changes the logits but the argmax: such a request's
+        token can be chosen where the logits are (on a GPU) and only the token id moved."""
+        o = self.options
+        return (o.greedy and self._seen is None and self._counts is None and self._bias is None
+                and self._early_stops is None and not (o.logprobs or o.top_logprobs))
+
+    def take(self, token: int) -> Sampled:
+        """The token a plainly greedy request's argmax chose elsewhere, counted as if sampled here."""
+        self._num_sampled += 1
+        return Sampled(token, None, ())
+
     def __call__(self, logits: torch.Tensor) -> Sampled:
         """logits: float32 [vocab] on the CPU.
 

@@ -15,6 +15,8 @@ import torch
 
 from splitmoe.attention_service.experts.heat import ExpertHeat, HeatSnapshot
 from splitmoe.attention_service.experts.placement import ServiceShard
+from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice, OnDevice
+from splitmoe.attention_service.gpu.send_ahead import SendAhead
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
@@ -83,22 +85,47 @@ class Ready:
 
 
 class InProcessExperts:
-    """All routed experts of the file, computed in this process (eagerly: nothing to overlap)."""
+    """All routed experts of the file, computed in this process (eagerly: nothing to overlap).
+
+    Attention on a GPU: the layer call's tensors come to the host together and the answer goes
+    back asynchronously (gpu/hop_copies.py), as for expert services."""
 
     def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None):
         self.shard = ExpertShard(g, repack_cache=repack_cache)
         self.heat = ExpertHeat(max(self.shard.layers, default=-1) + 1, expert_count(g))
+        self.copies = CopiesByDevice()
+        self._ahead = SendAhead()
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                 expert_weights: torch.Tensor) -> torch.Tensor:
-        ids = expert_ids.cpu()
-        out = self.shard.forward(layer, hidden.cpu(), ids, expert_weights.cpu())
-        self.heat.add(layer, ids)
-        return out.to(hidden.device)
+        return self.submit(layer, hidden, expert_ids, expert_weights).wait()
+
+    def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                     expert_weights: torch.Tensor) -> ExpertsHandle:
+        """`submit` that returns at once: the send-ahead thread waits for the rows' copy and
+        computes the experts (gpu/send_ahead.py: the GPU queues the other micro-batch meanwhile)."""
+        copies = self.copies(hidden.device)
+        staged = copies.to_host_async(hidden, expert_ids, expert_weights)
+
+        def start() -> Ready:
+            hidden_rows, ids, weights = staged.wait()
+            out = self.shard.forward(layer, hidden_rows, ids, weights)
+            self.heat.add(layer, ids)
+            return Ready(out)
+
+        return OnDevice(self._ahead.submit(start), copies, staged)
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                expert_weights: torch.Tensor) -> Ready:
-        return Ready(self.forward(layer, hidden, expert_ids, expert_weights))
+        copies = self.copies(hidden.device)
+        staged = copies.to_host(hidden, expert_ids, expert_weights)
+        try:
+            hidden, ids, weights = staged.tensors
+            out = self.shard.forward(layer, hidden, ids, weights)
+            self.heat.add(layer, ids)
+        finally:
+            copies.release(staged)
+        return Ready(copies.to_device(out))
 
     def health(self) -> dict[str, "ServiceHealth"]:
         return {}
@@ -107,7 +134,7 @@ class InProcessExperts:
         return {}
 
     def expert_token_counts(self) -> dict[ExpertKey, int]:
-        tokens = self.heat.snapshot().tokens
+        tokens = self.heat.snapshot().tokens - self.heat.counted_elsewhere  # what this shard computed
         return {ExpertKey(layer, expert): int(tokens[layer, expert])
                 for layer, expert in tokens.nonzero().tolist() if self.shard.holds(ExpertKey(layer, expert))}
 
@@ -124,7 +151,7 @@ class InProcessExperts:
         return []
 
     def close(self) -> None:
-        pass
+        self._ahead.close()
 
 
 @dataclass(frozen=True, slots=True)

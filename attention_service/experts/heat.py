@@ -49,6 +49,7 @@ class ExpertHeat:
         self._folded = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # counts already in the rate
         self._rate = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._folded_s = clock()
+        self.counted_elsewhere = torch.zeros(num_layers, num_experts, dtype=torch.int64)  # see add_table
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -57,6 +58,12 @@ class ExpertHeat:
     def add(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Count one layer call's routing [T, K] (on the CPU; -1: no expert)."""
         self._counts.add(layer, expert_ids)
+
+    def add_table(self, tokens: torch.Tensor) -> None:
+        """Add tokens counted elsewhere ([layers, experts] int64: the GPU's hot experts'): they
+        are routed tokens, though not computed by the backend this heat belongs to."""
+        self._counts.table += tokens
+        self.counted_elsewhere += tokens
 
     def seed(self, tokens_per_s: torch.Tensor) -> None:
         """Start from rates measured before (a heat file), as if they had been measured just now."""

@@ -60,5 +60,5 @@ class PlusLocal:
         self._handle, self._local = handle, local
 
     def wait(self) -> torch.Tensor:
-        out = self._handle.wait()
-        return out + self._local.to(device=out.device, dtype=torch.float32)
+        out = self._handle.wait()  # the call's own sum: added to in place (it may be a lent host buffer)
+        return out.add_(self._local.to(device=out.device, dtype=torch.float32))

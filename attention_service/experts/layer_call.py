@@ -21,6 +21,10 @@ from splitmoe.attention_service.experts.split import ServicePart, add_part, unfi
 from splitmoe.kernels import native
 
 
+def _new_output(shape: torch.Size) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32)
+
+
 class InFlightCalls:
     """The layer calls sent to the expert services and not yet collected, oldest first."""
 
@@ -30,12 +34,15 @@ class InFlightCalls:
         self._lock = threading.Lock()
         self._calls: collections.deque[LayerCall] = collections.deque()
 
-    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> "LayerCall":
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+               new_output: Callable[[torch.Size], torch.Tensor] | None = None) -> "LayerCall":
+        """`new_output(shape)`: where the call's float32 sum goes (a page-locked buffer when the
+        answer continues to a GPU); default: a new tensor."""
         with self._lock:
             while len(self._calls) >= self._max_calls:
                 self._collect_locked(self._calls[0])  # a call past the limit: the oldest must finish first
-            call = LayerCall(self._services, self.collect, layer, hidden, expert_ids, expert_weights)
+            call = LayerCall(self._services, self.collect, layer, hidden, expert_ids, expert_weights,
+                             new_output or _new_output)
             self._calls.append(call)
             call.send_locked(expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu())
         return call
@@ -66,8 +73,10 @@ class LayerCall:
     """
 
     def __init__(self, services: ExpertServices, collect: Callable[["LayerCall"], None], layer: int,
-                 hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor):
+                 hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                 new_output: Callable[[torch.Size], torch.Tensor] = None):
         self._services, self._collect = services, collect
+        self._new_output = new_output or _new_output
         self._layer, self._device = layer, hidden.device
         # (each torch call costs microseconds: only the conversions needed)
         self._hidden = hidden.detach() if hidden.requires_grad else hidden
@@ -79,10 +88,10 @@ class LayerCall:
         self._rounds = 0
         self._out: torch.Tensor | None = None
         self._error: BaseException | None = None
-        self._collected = False
+        self._done = False  # collected: the result (or error) is in; set last
 
     def wait(self) -> torch.Tensor:
-        if not self._collected:
+        if not self._done:  # else, or while another thread collects it, under the data path's lock
             self._collect(self)
         if self._error is not None:
             raise self._error
@@ -111,8 +120,13 @@ class LayerCall:
         Every hop is waited for before an error is kept: a service still working on an abandoned
         request would otherwise share its shared-memory slot with the next one.
         """
-        self._collected = True
         native.park()  # the expert services compute now: this process's idle workers must not spin
+        try:
+            self._collect_parts()
+        finally:
+            self._done = True
+
+    def _collect_parts(self) -> None:
         out = None  # float32 [T, D], made by the first part that arrives
         try:
             while True:
@@ -131,7 +145,7 @@ class LayerCall:
                     raise rejected[0]
                 if not failed:
                     if out is None:  # nothing was routed anywhere
-                        out = torch.zeros(self._hidden.shape, dtype=torch.float32)
+                        out = self._new_output(self._hidden.shape).zero_()
                     self._out = out if self._device.type == "cpu" else out.to(self._device)
                     return
                 if self._rounds > self._services.num_services:  # each failed round marks a service unhealthy
@@ -144,8 +158,9 @@ class LayerCall:
     def _accumulate(self, out: torch.Tensor | None, rows: torch.Tensor | None, part_out: torch.Tensor) -> torch.Tensor:
         """out[rows] += part_out; the first part of every row is copied out of the hop's buffer."""
         if out is None:
+            out = self._new_output(self._hidden.shape)
             if rows is None:
-                return part_out.to(torch.float32, copy=True)
-            out = torch.zeros(self._hidden.shape, dtype=torch.float32)
+                return out.copy_(part_out)
+            out.zero_()
         add_part(out, rows, part_out)
         return out

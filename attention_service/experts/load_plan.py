@@ -32,8 +32,9 @@ class HeatBudget:
     num_bytes: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "HeatBudget":
-        """'24': 24 experts; '512M', '2G', '1.5GiB', '300000000B': bytes of expert weights."""
+    def parse(cls, text: str, flag: str = "--local-experts-by-heat") -> "HeatBudget":
+        """'24': 24 experts; '512M', '2G', '1.5GiB', '300000000B': bytes of expert weights.
+        `flag`: the option the text came from, for the error."""
         t = text.strip().lower().removesuffix("ib").removesuffix("b")
         if text.strip().isdigit():
             return cls(num_experts=int(text))
@@ -42,9 +43,9 @@ class HeatBudget:
         try:
             num_bytes = int(float(number) * unit)
         except ValueError:
-            raise ValueError(f"--local-experts-by-heat {text!r}: want a count (24) or a size (512M, 2G)") from None
+            raise ValueError(f"{flag} {text!r}: want a count (24) or a size (512M, 2G)") from None
         if num_bytes < 0:
-            raise ValueError(f"--local-experts-by-heat {text!r}: must not be negative")
+            raise ValueError(f"{flag} {text!r}: must not be negative")
         return cls(num_bytes=num_bytes)
 
     def __bool__(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from splitmoe.attention_service.model.arch_spec import QK_NORM_FULL, QK_NORM_NONE, QK_NORM_PER_HEAD, ArchSpec
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
+from splitmoe.attention_service.model.device_attention import paged_decode_attention, prompt_attention_sdpa
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
 from splitmoe.attention_service.model.weight_loader import WeightLoader
@@ -276,20 +277,27 @@ class MultiHeadAttention:
     def _attend(self, i: int, w: AttentionWeights, q: torch.Tensor, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """[T, H, Dv]: the new queries over their sequences' cached context."""
         window, chunk = self.window_tokens(i), self.chunk_tokens(i)
+        if batch.paged is not None:  # decode on a GPU: every row at once, shapes fixed by the table
+            pools, paged = kv.pools(i), batch.paged
+            return paged_decode_attention(q, pools["k"], pools["v"], paged.slot_table, paged.context_lens,
+                                          batch.positions, self.scale, window_tokens=window, chunk_tokens=chunk,
+                                          sinks=w.sinks)
         if use_native_attention(kv):
             pools = kv.pools(i)
             # A chunked layer's rows attend over their chunk: a context of its own, one per step.
             context = batch.chunked_attention_context(chunk) if chunk else batch.attention_context
             return decode_attention(context, q, pools["k"], pools["v"], self.scale, window_tokens=window, sinks=w.sinks)
+        # On a GPU the flash / memory-efficient kernels of SDPA take the prompts (device_attention.py).
+        attend = prompt_attention_sdpa if q.device.type == "cuda" else grouped_attention
         parts, one = [], len(batch.seqs) == 1
         for s in batch.seqs:
             first = _first_visible_position(s, window, chunk)
             # The whole context is the step's own tensor, so the cache recognises it across layers.
             ctx = kv.read_pooled(i, s.context_slots[first:] if first else s.context_slots)
-            parts.append(grouped_attention(q if one else q[s.start : s.end], ctx["k"], ctx["v"],
-                                           batch.positions if one else batch.positions[s.start : s.end],
-                                           self.scale, window_tokens=window, sinks=w.sinks, first_position=first,
-                                           chunk_tokens=chunk))
+            parts.append(attend(q if one else q[s.start : s.end], ctx["k"], ctx["v"],
+                                batch.positions if one else batch.positions[s.start : s.end],
+                                self.scale, window_tokens=window, sinks=w.sinks, first_position=first,
+                                chunk_tokens=chunk))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -19,6 +19,19 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
+class PagedContext:
+    """Every row's context as a fixed-shape table, for attention without per-sequence shapes
+    (model/device_attention.py): what a decode step on a GPU attends over, and what a CUDA graph
+    of it reads. Rows past a sequence's context point at any valid slot; they are masked."""
+
+    slot_table: torch.Tensor    # int64 [T, C]: the cache slot of each row's context positions 0..C-1
+    context_lens: torch.Tensor  # int64 [T]: how many of them the row's sequence has
+
+    def rows(self, start: int, end: int) -> "PagedContext":
+        return PagedContext(self.slot_table[start:end], self.context_lens[start:end])
+
+
+@dataclass(frozen=True)
 class StepBatch:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -26,6 +39,7 @@ class StepBatch:
     seqs: tuple[SeqSlice, ...]
     logits_rows: torch.Tensor  # rows of the batch whose logits are wanted
     experts_per_token: torch.Tensor | None = None  # [T]; None: every token uses the model's own k
+    paged: PagedContext | None = None  # set: attention reads the cache through this table (decode on a GPU)
 
     @property
     def num_tokens(self) -> int:
@@ -88,5 +102,6 @@ class StepBatch:
                 seqs=tuple(SeqSlice(s.start - start, s.end - start, s.context_slots) for s in seqs),
                 logits_rows=logits,
                 experts_per_token=None if self.experts_per_token is None else self.experts_per_token[start:end],
+                paged=None if self.paged is None else self.paged.rows(start, end),
             ), slice(start, end)))
         return parts

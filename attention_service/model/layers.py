@@ -83,11 +83,22 @@ class Rope:
         """cos and signed sin [T, 1, dims] in the rotation's pair layout, for these positions.
 
         Kept for the last few positions tensors seen (held, so an id is never a recycled one's):
-        every layer's q and k of a step, or of each of its micro-batches, share them.
+        every layer's q and k of a step, or of each of its micro-batches, share them. Not while a
+        CUDA graph is captured: a graph must compute its tables itself, not read tensors another
+        graph wrote, which the cache could free and the graph pool hand out again.
         """
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._tables(positions)
         hit = self._cache.get(id(positions))
         if hit is not None and hit[0] is positions:
             return hit[1], hit[2]
+        cos2, sin2 = self._tables(positions)
+        if len(self._cache) >= 4:
+            self._cache.clear()
+        self._cache[id(positions)] = (positions, cos2, sin2)
+        return cos2, sin2
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = angles.cos() * self.magnitude
         sin = angles.sin() * self.magnitude
@@ -97,9 +108,6 @@ class Rope:
         else:
             cos2 = torch.cat((cos, cos), dim=-1)
             sin2 = torch.cat((-sin, sin), dim=-1)
-        if len(self._cache) >= 4:
-            self._cache.clear()
-        self._cache[id(positions)] = (positions, cos2[:, None, :], sin2[:, None, :])
         return cos2[:, None, :], sin2[:, None, :]
 
 

@@ -19,6 +19,7 @@ import torch
 from splitmoe.attention_service.model.arch_spec import ArchSpec
 from splitmoe.attention_service.model.attention import use_native_decode
 from splitmoe.attention_service.model.batch import StepBatch
+from splitmoe.attention_service.model.device_attention import paged_latent_decode_attention
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
 from splitmoe.attention_service.model.weight_loader import WeightLoader
@@ -137,6 +138,11 @@ class MultiLatentAttention:
         # q_nope·(W_k c) = (W_kᵀ q_nope)·c: the query moves into latent space, the cache stays small.
         q_latent = torch.einsum("thn,hln->thl", q_nope.to(w.k_b.dtype), w.k_b)
         q = torch.cat((q_latent, self.rope(q_rope, batch.positions).to(q_latent.dtype)), dim=-1)
+        if batch.paged is not None:  # decode on a GPU: every row at once, shapes fixed by the table
+            out = paged_latent_decode_attention(q, kv.pools(i)[LATENT_ENTRY], batch.paged.slot_table,
+                                                batch.paged.context_lens, batch.positions, self.scale,
+                                                c.kv_lora_rank)
+            return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
         if use_native_decode(batch, kv):
             out = decode_attention(batch.attention_context, q, kv.pools(i)[LATENT_ENTRY], None, self.scale,
                                    value_dims=c.kv_lora_rank).to(q.dtype)

@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.gpu.graphs import SegmentGraphs
+from splitmoe.attention_service.gpu.memory import DeviceMemory, backend_bytes, device_memory, tensor_bytes
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.sequence import Sequence
+from splitmoe.attention_service.model.static_decode import DecodeRows, StaticDecode
 from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.attention_service.model.weights import load_weights
 from splitmoe.attention_service.models import arch_spec
@@ -45,6 +48,11 @@ class RunnerOptions:
     # rope key) is a function of its position's prefix alone, and sliding-window layers keep every
     # position's entry (the window is a mask when reading), so a block means the same in any sequence.
     prefix_caching: bool = True
+    # Decode steps in fixed-shape segments between expert hops (model/static_decode.py): the GPU's
+    # decode path. None: on wherever the device is not the CPU (tests also run it on the CPU).
+    static_decode: bool | None = None
+    # Those segments captured as CUDA graphs and replayed (gpu/graphs.py); only on CUDA.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES.values():
@@ -68,9 +76,13 @@ class ModelRunner:
     def __init__(self, g: GGUFFile, cfg: ModelConfig, model: MoETransformer, options: RunnerOptions):
         self.gguf, self.cfg, self.model, self.options = g, cfg, model, options
         num_blocks = -(-options.kv_cache_tokens // options.kv_block_tokens)
-        self.kv = KVCache(cfg.num_layers, num_blocks, options.kv_block_tokens, model.kv_entry_shapes(),
+        static = options.static_decode if options.static_decode is not None else options.device.type != "cpu"
+        # The static decode's padded rows write their KV into one more block, which no sequence gets.
+        self.kv = KVCache(cfg.num_layers, num_blocks + static, options.kv_block_tokens, model.kv_entry_shapes(),
                           options.dtype, options.device)
         self.blocks = BlockManager(num_blocks, options.kv_block_tokens, options.prefix_caching)
+        self.static_decode = self._static_decode(num_blocks) if static else None
+        self.weight_bytes = tensor_bytes(model.weights, options.device) if options.device.type != "cpu" else 0
         # Steps of at most this many rows run their matmuls, attention and experts in the native
         # pool (the fast path on the CPU, rows the int8 kernels take): torch only glues, on one
         # thread (kernels/torch_threads.py). 0: never (the exact float32 mode computes with torch).
@@ -99,9 +111,13 @@ class ModelRunner:
         """
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
-        batch = self._build_batch(seqs, num_new_tokens, all_logits)
-        with one_torch_thread() if batch.num_tokens <= self._glue_only_rows else contextlib.nullcontext():
-            logits = self.model.forward(batch, self.kv)
+        logits = None
+        if all(n == s.num_tokens - s.num_cached_tokens for s, n in zip(seqs, num_new_tokens)):
+            logits = self._static_step(seqs)
+        if logits is None:
+            batch = self._build_batch(seqs, num_new_tokens, all_logits)
+            with one_torch_thread() if batch.num_tokens <= self._glue_only_rows else contextlib.nullcontext():
+                logits = self.model.forward(batch, self.kv)
         for s, n in zip(seqs, num_new_tokens):
             s.num_cached_tokens += n
             self.blocks.commit(s)  # only now: a step that fails must leave no named block behind
@@ -109,6 +125,36 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
+
+    def device_memory(self) -> DeviceMemory | None:
+        """What the attention device holds, by use (gpu/memory.py); None on the CPU."""
+        gpu_experts_bytes, pinned_bytes = backend_bytes(self.model.experts)
+        graphs = self.static_decode.graphs if self.static_decode is not None else None
+        return device_memory(self.options.device, weights_bytes=self.weight_bytes, kv_cache_bytes=self.kv.reserved_bytes,
+                             gpu_experts_bytes=gpu_experts_bytes, graphs_bytes=graphs.num_bytes if graphs else 0,
+                             pinned_host_bytes=pinned_bytes)
+
+    def _static_decode(self, num_blocks: int) -> StaticDecode:
+        o = self.options
+        graphs = SegmentGraphs(o.device) if o.cuda_graphs and o.device.type == "cuda" else None
+        device_layers = getattr(self.model.experts, "device_layers", lambda: frozenset())()
+        return StaticDecode(self.model, self.kv, scratch_slot=num_blocks * o.kv_block_tokens, graphs=graphs,
+                            device_layers=device_layers, max_context_tokens=num_blocks * o.kv_block_tokens)
+
+    def _static_step(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The step through `static_decode` when it takes it (one new token each, the model's own
+        experts per token, a bucket that fits); None otherwise."""
+        if self.static_decode is None or any(s.num_tokens - s.num_cached_tokens != 1 for s in seqs) \
+                or any(s.num_experts_per_token not in (0, self.cfg.num_experts_used) for s in seqs):
+            return None
+        if not self.static_decode.accepts(len(seqs), max(s.num_tokens for s in seqs)):
+            return None
+        contexts = []
+        for s in seqs:
+            self.blocks.reserve(s.seq_id, s.num_tokens)
+            contexts.append(self.blocks.slots(s.seq_id, 0, s.num_tokens))
+        return self.static_decode.run(DecodeRows([s.token_ids[-1] for s in seqs],
+                                                 [s.num_cached_tokens for s in seqs], contexts))
 
     def _build_batch(self, seqs: list[Sequence], num_new_tokens: list[int], all_logits: bool) -> StepBatch:
         ids, positions, new_slots, slices, logits_rows, experts = [], [], [], [], [], []

@@ -41,8 +41,7 @@ class _PendingFFN:
     def finish(self) -> torch.Tensor:
         if self._handle is None:
             return self._value
-        out = per_token(self._handle.wait().float(), self._tokens)
-        return out if self._shared is None else out + self._shared
+        return FFNStart.finish(self._handle.wait(), self._shared, self._tokens)
 
 
 def input_weighted(h: torch.Tensor, ids: torch.Tensor,
@@ -63,6 +62,24 @@ def per_token(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return out.view(num_tokens, -1, out.shape[-1]).sum(dim=1)
 
 
+class FFNStart:
+    """A MoE FFN up to its routed experts: what goes to the expert backend (`hidden`, `ids`,
+    `weights`; `tokens`: the rows the answer sums to, 0 when its rows are the tokens). `finish`
+    adds the shared expert to the experts' answer. The static decode step keeps these in fixed
+    buffers between two segments (model/static_decode.py)."""
+
+    __slots__ = ("hidden", "ids", "weights", "tokens")
+
+    def __init__(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tokens: int):
+        self.hidden, self.ids, self.weights, self.tokens = hidden, ids, weights, tokens
+
+    @staticmethod
+    def finish(experts_out: torch.Tensor, shared: torch.Tensor | None, tokens: int) -> torch.Tensor:
+        """The FFN's output from the routed experts' float32 sum, exactly as `MoETransformer._ffn` adds."""
+        out = per_token(experts_out.float(), tokens)
+        return out if shared is None else out + shared
+
+
 class MoETransformer:
     def __init__(self, cfg: ModelConfig, spec: ArchSpec, weights: ModelWeights, experts: ExpertBackend,
                  micro_batches: int = 1):
@@ -73,6 +90,10 @@ class MoETransformer:
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, not {micro_batches}")
         self.micro_batches = micro_batches
+        # Micro-batches on a GPU: the backend's send-ahead thread waits for a half's rows and sends
+        # them, so that the engine queues the other half's attention meanwhile (gpu/send_ahead.py).
+        # On the CPU both halves share the cores: the engine thread sends itself.
+        self.send_ahead = weights.output_norm.device.type != "cpu"
         # Per layer, its attention half as one native call (decode steps in the fast mode), made
         # on the first decode step: None until then, [] where some layer cannot take it.
         self._fronts: list | None = None
@@ -104,8 +125,12 @@ class MoETransformer:
             for i, layer in enumerate(w.layers):
                 x = x + self.attention(i, layer.attn, self.norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
                 x = x + self._ffn(i, layer, self.norm(x, layer.ffn_norm, eps), batch, top_k)
-        x = self.norm(x[batch.logits_rows], w.output_norm, eps).to(self.dtype)
-        return linear(x, w.output).float()
+        return self.head(x[batch.logits_rows])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of residual rows x: the output norm and the output head."""
+        w = self.weights
+        return linear(self.norm(x, w.output_norm, self.cfg.norm_eps).to(self.dtype), w.output).float()
 
     def _pipelined(self, x: torch.Tensor, parts: list[tuple[StepBatch, slice]], kv: KVCache,
                    top_k: int) -> torch.Tensor:
@@ -141,29 +166,54 @@ class MoETransformer:
             self._fronts, self._fronts_kv = fronts, kv
         return self._fronts
 
+    def attention_block(self, i: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch,
+                        kv: KVCache) -> torch.Tensor:
+        """x + layer i's attention of the normed x (writes the step's KV)."""
+        h = self.norm(x, layer.attn_norm, self.cfg.norm_eps).to(self.dtype)
+        return x + self.attention(i, layer.attn, h, batch, kv)
+
+    def ffn_norm(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, layer.ffn_norm, self.cfg.norm_eps)
+
+    def start_ffn(self, layer: LayerWeights, h: torch.Tensor, h32: torch.Tensor, batch: StepBatch, top_k: int,
+                  router_logits: torch.Tensor | None = None) -> FFNStart:
+        """A MoE layer's FFN up to its routed experts: the router and the experts' inputs.
+        h32: the normed input in float32 (the router reads it), h: the same in the model's dtype."""
+        ids, weights = self._route(layer, h32, batch, top_k, router_logits)
+        hidden, ids, weights = self._expert_inputs(h, ids, weights)
+        return FFNStart(hidden, ids, weights, h.shape[0])
+
+    def shared_ffn(self, layer: LayerWeights, h: torch.Tensor, h32: torch.Tensor) -> torch.Tensor | None:
+        """The MoE layer's shared expert (gated where the architecture gates it), float32; None without one."""
+        w = layer.moe
+        if w.shared is None:
+            return None
+        shared = swiglu(h, w.shared).float()
+        if w.shared_gate is not None:
+            shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
+        return shared
+
     def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int,
              router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """h32: the normed input in float32; the router and gates read it before rounding.
         `router_logits`: the router's product of h32 when the caller computed it already."""
         h = h32.to(self.dtype)
         if layer.moe is None:
-            f = layer.dense_ffn
-            return swiglu(h, f)
-        ids, weights = self._route(layer, h32, batch, top_k, router_logits)
-        out = per_token(self.experts.forward(i, *self._expert_inputs(h, ids, weights)).float(), h.shape[0])
-        shared = self._shared(layer, h, h32)
-        return out if shared is None else out + shared
+            return swiglu(h, layer.dense_ffn)
+        start = self.start_ffn(layer, h, h32, batch, top_k, router_logits)
+        routed = self.experts.forward(i, start.hidden, start.ids, start.weights)
+        return FFNStart.finish(routed, self.shared_ffn(layer, h, h32), start.tokens)
 
     def _start_ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch,
                    top_k: int) -> _PendingFFN:
         """`_ffn` with the routed experts submitted, not waited for; the shared expert runs meanwhile."""
         h = h32.to(self.dtype)
         if layer.moe is None:
-            f = layer.dense_ffn
-            return _PendingFFN(None, None, swiglu(h, f))
-        ids, weights = self._route(layer, h32, batch, top_k)
-        handle = self.experts.submit(i, *self._expert_inputs(h, ids, weights))
-        return _PendingFFN(handle, self._shared(layer, h, h32), tokens=h.shape[0])
+            return _PendingFFN(None, None, swiglu(h, layer.dense_ffn))
+        start = self.start_ffn(layer, h, h32, batch, top_k)
+        ahead = getattr(self.experts, "submit_ahead", None) if self.send_ahead else None
+        handle = (ahead or self.experts.submit)(i, start.hidden, start.ids, start.weights)
+        return _PendingFFN(handle, self.shared_ffn(layer, h, h32), tokens=start.tokens)
 
     def _expert_inputs(self, h: torch.Tensor, ids: torch.Tensor,
                        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,12 +233,3 @@ class MoETransformer:
             renormalized = sums_to_one(c.expert_gating, c.expert_weights_norm)
             ids, weights = limit_experts(ids, weights, per_token, renormalized)
         return ids, weights
-
-    def _shared(self, layer: LayerWeights, h: torch.Tensor, h32: torch.Tensor) -> torch.Tensor | None:
-        w = layer.moe
-        if w.shared is None:
-            return None
-        shared = swiglu(h, w.shared).float()
-        if w.shared_gate is not None:
-            shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
-        return shared

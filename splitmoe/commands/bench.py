@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark tooling")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     m = bench_sub.add_parser("make-model", help="write a realistic-shape GGUF with random weights")
-    m.add_argument("--shape", required=True, choices=["qwen3-30b-a3b", "olmoe-1b-7b"],
+    m.add_argument("--shape", required=True, choices=["qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe-1b-7b"],
                    help="the real model whose dimensions the file takes")
     m.add_argument("--layers", type=int, required=True, help="how many of the real model's layers to write")
     m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q4_0", "q8_0"],
@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the attention service's transport to its expert services")
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the attention side's dtype (float32 is the exact reference path)")
+    r.add_argument("--attention-device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the attention service runs attention: cpu (default) or cuda (the first GPU); the "
+                        "expert services and the in-process run stay on the CPU")
     r.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
                    help="OMP_WAIT_POLICY of the service processes: PASSIVE (default) puts waiting OpenMP threads to "
                         "sleep, so the side that waits leaves the cores to the side that computes")
@@ -90,7 +93,7 @@ def run_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         model_path=args.model, threads=args.threads or usable_cpus(), workload=workload, baseline=args.baseline,
         expert_services=numa_nodes() if args.expert_services is None else args.expert_services,
-        transport=args.transport, dtype=args.dtype,
+        transport=args.transport, dtype=args.dtype, attention_device=args.attention_device,
         omp_wait_policy="" if args.omp_wait_policy == "default" else args.omp_wait_policy,
         pin_threads=args.pin_threads, inprocess=args.inprocess, bandwidth_mb=args.bandwidth_mb, run_dir=args.run_dir)
     try:

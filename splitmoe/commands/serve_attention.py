@@ -70,6 +70,14 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                                 help="how chat replies' tool calls are read: auto picks the model's syntax from "
                                      "its vocabulary and chat template (hermes when none is recognised); none: "
                                      "tool_choice auto returns the text as content")),
+    ("--cuda-graphs", dict(choices=["on", "off"], default="on",
+                           help="on a CUDA device: decode steps replay CUDA graphs of the work between two "
+                                "expert hops, captured per batch and context bucket at first use; off: the same "
+                                "kernels launched one by one (same outputs, slower)")),
+    ("--gpu-experts", dict(default="", metavar="N|SIZE",
+                           help="on a CUDA device: keep N routed (layer, expert) pairs, or SIZE of them (4G), in GPU "
+                                "memory (bfloat16): the hottest by --heat-file's rates, else whole MoE layers from "
+                                "the first; the rest stay on the expert services (default: none)")),
     ("--micro-batches", dict(type=int, choices=[1, 2], default=1,
                              help="2: cut each step of several sequences in two and pipeline the halves, so "
                                   "that attention of one overlaps the remote experts of the other "
@@ -133,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     runner = serving_runner_options(
         dtype=DTYPES[args.dtype], device=torch.device(args.device) if args.device else default_device(),
         kv_cache_tokens=args.kv_cache_tokens, experts_per_token=args.experts_per_token, micro_batches=args.micro_batches,
-        prefix_caching=args.prefix_caching == "on")
+        prefix_caching=args.prefix_caching == "on", cuda_graphs=args.cuda_graphs == "on")
     experts = RemoteExpertsSettings(
         addresses=args.expert_services, expert_timeout_s=args.expert_timeout_s, transport=args.transport,
         keepalive_s=args.expert_keepalive_s, hedge_floor_s=args.hedge_after_s,
@@ -145,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         model_path=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         runner=runner, experts=experts, max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,
         max_waiting_requests=args.max_waiting, otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format,
-        tool_call_parser=args.tool_call_parser, security=security)
+        tool_call_parser=args.tool_call_parser, security=security,
+        gpu_experts=HeatBudget.parse(args.gpu_experts or "0", "--gpu-experts"))
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -128,6 +128,32 @@ def test_pipelined_step_is_close_on_llama_cpp_fixtures(fixtures_dir, model):
     assert_pipelined_close(fixtures_dir / model)
 
 
+def test_send_ahead_thread_pipelines_to_the_unsplit_logits(demo_gguf, monkeypatch):
+    """The GPU's micro-batches: each half's experts started by the backend's send-ahead thread
+    (gpu/send_ahead.py) while the engine thread queues the other half. Forced here on the CPU."""
+    g = GGUFFile(demo_gguf)
+    started = []
+    experts = InProcessExperts(g)
+    submit_ahead = experts.submit_ahead
+    monkeypatch.setattr(experts, "submit_ahead", lambda *call: started.append(call[0]) or submit_ahead(*call))
+    monkeypatch.setattr(ModelRunner, "from_gguf", _sending_ahead(ModelRunner.from_gguf))
+    try:
+        pipelined = run_steps(demo_gguf, experts, micro_batches=2)
+    finally:
+        experts.close()
+    assert started  # every MoE layer call of the pipelined steps went ahead
+    for a, b in zip(run_steps(demo_gguf, InProcessExperts(g), micro_batches=1), pipelined):
+        assert (a - b).abs().max() <= 1e-4
+
+
+def _sending_ahead(from_gguf):
+    def build(*args, **kwargs):
+        runner = from_gguf(*args, **kwargs)
+        runner.model.send_ahead = runner.model.micro_batches > 1
+        return runner
+    return build
+
+
 def assert_pipelined_close(path):
     g = GGUFFile(path)
     experts = ThreadedExperts(g, row_by_row=False)

@@ -76,6 +76,40 @@ def no_regions_left():
 
 # ---- the transport seam ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_calls_sent_ahead_answer_as_calls_sent_now(services, demo_gguf, transport):
+    """The send-ahead thread (the GPU's micro-batches) starts calls in order, several in flight."""
+    g = GGUFFile(demo_gguf)
+    calls = [(layer, *routing(n, seed)) for layer, n, seed in ((0, 3, 1), (0, 9, 2), (1, 1, 3), (1, 5, 4), (0, 2, 5))]
+    with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
+        now = [backend.forward(*call) for call in calls]
+        ahead = [backend.submit_ahead(*call) for call in calls]
+        got = [handle.wait() for handle in ahead]
+    for a, b in zip(got, now):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_static_decode_through_expert_services(services, demo_gguf, transport):
+    """The GPU's decode path (fixed-shape segments, a hop after each: model/static_decode.py), here
+    on the CPU, over real services: the logits of the generic path."""
+    g = GGUFFile(demo_gguf)
+
+    def decode(static):
+        with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
+            options = dataclasses.replace(OPTIONS, static_decode=static)
+            runner = ModelRunner.from_gguf(demo_gguf, options, experts=backend)
+            seqs = [Sequence(0, PROMPT[:5]), Sequence(1, PROMPT[5:]), Sequence(2, PROMPT[2:4])]
+            runner.step(seqs)
+            steps = []
+            for t in range(3):
+                for s in seqs:
+                    s.token_ids.append(20 + t)
+                steps.append(runner.step(seqs))
+            return torch.stack(steps)
+
+    assert (decode(True) - decode(False)).abs().max() <= 1e-5
+
 @pytest.mark.parametrize("transport", ["grpc", "shm", "auto"])
 def test_same_logits_in_process_and_remote(services, demo_gguf, transport):
     g = GGUFFile(demo_gguf)

@@ -15,8 +15,9 @@ import torch
 
 from splitmoe.bench.ceiling import ExpertBytes, RecordingExperts, ceiling_tok_s
 from splitmoe.bench.llamacpp import available as llamacpp_available
-from splitmoe.bench.report import add_ratios, table
-from splitmoe.bench.services import hop_overhead
+from splitmoe.bench.report import add_ratios, context_lines, table
+from splitmoe.bench.run import BenchSettings, command_line, run_bench
+from splitmoe.bench.services import ServicesOptions, attention_options, hop_overhead, step_share
 from splitmoe.bench.workload import (
     StreamTimes,
     Workload,
@@ -25,6 +26,7 @@ from splitmoe.bench.workload import (
     make_prompts,
     normal_token_ids,
 )
+from splitmoe.cli import build_parser
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.runtime.topology import numa_nodes
 from tests.support.processes import run_splitmoe
@@ -62,8 +64,15 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
     per_layer = sum(ExpertBytes.of(_gguf(demo_gguf)).per_expert.values())
     assert 2 * per_layer <= figures["touched_expert_bytes_per_step16"] <= 6 * per_layer
     assert "llamacpp_decode_tok_s" not in figures
+    assert figures["attention_device"] == "cpu" and figures["gpu"] is None
+    # the 3-stream phase: its steps, and the share of its time no expert service computed
+    step = figures["streams_step"]
+    assert step["num_steps"] >= 5 and step["expert_s"] > 0 and step["hop_s"] >= step["expert_s"]
+    assert 0 < figures["outside_experts_pct"] == step["outside_experts_pct"] < 100
+    assert step["outside_hops_pct"] <= step["outside_experts_pct"]
     assert figures["command"].startswith("splitmoe bench run --model ")
     assert "| decode tok/s (1 stream)" in stdout and "| per-hop overhead, µs" in stdout
+    assert "| 3-stream step outside the expert services, %" in stdout and "attention cpu, dtype" in stdout
     assert "splitmoe services" in stdout and "% of ceiling" in stdout
     logs = {"attention.log", *(f"expert-{i}.log" for i in range(numa_nodes()))}
     assert {p.name for p in (tmp_path / "run").iterdir()} >= logs
@@ -116,6 +125,66 @@ def test_hop_overhead_prefers_the_services_median_and_falls_back_to_the_sums():
         median = hop_overhead(before, after)
         assert median.us == pytest.approx((100 * 40 + 50 * 10) / 150) and "median" in median.method
     assert hop_overhead(after, after).us is None
+
+
+def _stats(num_steps, *hops):
+    return pb.AttentionStats(num_steps=num_steps, hops=[
+        pb.HopStats(expert_address=a, num_hops=n, hop_s_total=h, compute_s_total=c) for a, n, h, c in hops])
+
+
+def test_step_share_counts_the_busiest_services_compute_once_against_the_phases_wall_time():
+    # one expert service: 10 steps over 2.0 s, 1.5 s of it expert compute inside 1.8 s of hops
+    before = _stats(100, ("a", 50, 4.0, 3.0))
+    one = step_share(before, _stats(110, ("a", 530, 5.8, 4.5)), wall_s=2.0)
+    assert one.num_steps == 10 and one.step_ms == pytest.approx(200.0)
+    assert one.expert_s == pytest.approx(1.5) and one.hop_s == pytest.approx(1.8)
+    assert one.outside_experts == pytest.approx(0.25) and one.outside_hops == pytest.approx(0.1)
+    # two services in parallel: the busier one's compute (1.6 s) counts, not the sum; one new since
+    two = step_share(before, _stats(110, ("a", 530, 5.8, 4.5), ("b", 480, 1.7, 1.6)), wall_s=2.0)
+    assert two.expert_s == pytest.approx(1.6) and two.outside_experts == pytest.approx(0.2)
+    assert two.hop_s == pytest.approx(1.8) and two.outside_hops == pytest.approx(0.1)
+    # no step in between: nothing to share out
+    idle = step_share(before, before, wall_s=0.5)
+    assert idle.num_steps == 0 and idle.outside_experts is None and idle.step_ms is None
+
+
+def test_attention_device_reaches_the_attention_services_argv():
+    workload = Workload(prompt_tokens=32, decode_tokens=6, streams=3, stream_prompt_tokens=4)
+    for device in ("cpu", "cuda"):
+        extra = attention_options(ServicesOptions(threads=2, attention_device=device), workload)
+        args = build_parser().parse_args(["serve-attention", "m.gguf", *extra])
+        assert args.device == device and args.dtype == "bfloat16" and args.kv_cache_tokens == workload.kv_tokens()
+    args = build_parser().parse_args(["bench", "run", "--model", "m.gguf", "--attention-device", "cuda"])
+    assert args.attention_device == "cuda"
+    assert build_parser().parse_args(["bench", "run", "--model", "m.gguf"]).attention_device == "cpu"
+    settings = BenchSettings("m.gguf", threads=2, attention_device="cuda", inprocess=False)
+    assert command_line(settings).endswith("--attention-device cuda --no-inprocess")
+    assert "--attention-device" not in command_line(BenchSettings("m.gguf", threads=2))
+    with pytest.raises(ValueError, match="--attention-device must be one of cpu, cuda"):
+        BenchSettings("m.gguf", threads=2, attention_device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+def test_cuda_attention_is_refused_before_anything_starts_where_torch_sees_no_gpu(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")  # never read: the refusal comes first
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        run_bench(BenchSettings(str(model), threads=1, attention_device="cuda", run_dir=str(tmp_path / "run")),
+                  say=lambda line: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_table_and_context_show_the_outside_share_and_the_gpu():
+    figures = {"prefill_tok_s": 900.0, "decode_tok_s": 40.0, "decode16_tok_s": 300.0, "ttft_s": 0.6,
+               "hop_us": 25.0, "outside_experts_pct": 12.345, "workload": {"prompt_tokens": 512, "streams": 16},
+               "model": "/m.gguf", "threads": 16, "attention_threads": 16, "expert_threads": [16],
+               "dtype": "bfloat16", "attention_device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "transport": "shm",
+               "bandwidth_gb_s": 200.0, "expert_bytes_per_token": 1e6, "touched_expert_bytes_per_step16": 1e7,
+               "touched_expert_bytes_source": "estimate", "dense_bytes_per_token": 1e6}
+    row = next(line for line in table(figures).splitlines() if "outside the expert services" in line)
+    assert row.startswith("| 16-stream step outside the expert services, % ") and " 12.3 |" in row
+    assert "attention cuda (NVIDIA H100 80GB HBM3), dtype bfloat16" in context_lines(figures)[0]
+    assert "attention cpu, dtype" in context_lines({**figures, "attention_device": "cpu", "gpu": None})[0]
 
 
 def test_recording_experts_counts_distinct_experts_of_steps_of_the_asked_size():

@@ -5,6 +5,7 @@ import filecmp
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
@@ -89,3 +90,15 @@ def test_q4_k_m_mix_follows_llama_quant_use_more_bits():
     v = [i for i in range(6) if specs[f"blk.{i}.attn_v.weight"] == T.Q6_K]
     assert down == v == [2, 5]
     assert specs["blk.3.ffn_gate_exps.weight"] == specs["blk.3.attn_q.weight"] == T.Q4_K
+
+
+@pytest.mark.parametrize("quant", ["q4_k_m", "q4_0", "q8_0"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_shape_splits_into_whole_quant_blocks(shape, quant):
+    """Every shape, the large ones (qwen3-235b-a22b) that no test writes too: each quantized row is
+    whole blocks of its type (TensorSpec.nbytes would otherwise drop a remainder) and heads group."""
+    s = SHAPES[shape]
+    assert s.heads % s.kv_heads == 0 and s.experts_used <= s.experts
+    for t in plan(s, 2, quant, vocab=VOCAB):
+        if t.ggml_type != T.F32:
+            assert t.shape[-1] % GGML_QUANT_SIZES[t.ggml_type][0] == 0, t.name
