@@ -23,6 +23,7 @@ from splitmoe.attention_service.model.device_attention import (
     prompt_attention_sdpa,
 )
 from splitmoe.attention_service.model.mla import latent_attention
+from tests.support.cuda_graphs import captured as cuda_graph
 
 NUM_SLOTS = 256
 LENGTHS = [1, 7, 30, 64, 45]  # context tokens of each row's sequence
@@ -347,15 +348,7 @@ def test_cuda_graph_replays_decode_on_new_inputs():
     def step():
         return decode(first, window_tokens=33)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's CUDA graph docs do
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = cuda_graph(step, warmups=3)
     before = decode(first, window_tokens=33)
     for static, new in zip((*first.tensors(), first.sinks), (*second.tensors(), second.sinks)):
         static.copy_(new)

@@ -17,6 +17,7 @@ from splitmoe.attention_service.experts.load_plan import HeatBudget
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_tensor_names
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
+from tests.support.cuda_graphs import captured
 
 FIXTURES = ["gptoss/gptoss-q8_0.gguf", "mixtral/mixtral-q8_0.gguf", "qwen3moe/qwen3moe-q4_k_m.gguf"]
 FLOAT32_RTOL = 1e-5
@@ -247,15 +248,7 @@ def test_cuda_graph_replay_gives_the_eager_result(demo, gather):
     def step():
         return experts.forward(layer, *static, gather=gather)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for seed in (1, 2):
         ids, weights = routing(num_tokens, 8, 2, seed)
         hidden = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(seed))

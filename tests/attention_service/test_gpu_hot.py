@@ -8,10 +8,10 @@ from splitmoe.attention_service.experts.device_experts import DeviceExperts, exp
 from splitmoe.attention_service.experts.gpu_hot import GpuHotExperts, choose_gpu_experts
 from splitmoe.attention_service.experts.load_plan import HeatBudget
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
-from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.modelfile.experts import ExpertKey, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
+from tests.support.decode_steps import decode_steps
 
 
 def wrapped(path, keys, device="cpu", dtype=torch.float32):
@@ -87,14 +87,7 @@ def test_static_decode_runs_whole_gpu_layers_inside_its_segments(demo_gguf):
         backend = wrapped(demo_gguf, every)
         r = ModelRunner.from_gguf(g, RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=256,
                                                    static_decode=static), experts=backend)
-        seqs = [Sequence(0, [5, 6, 7]), Sequence(1, [8, 9])]
-        r.step(seqs)
-        out = []
-        for t in range(4):
-            for s in seqs:
-                s.token_ids.append(10 + t)
-            out.append(r.step(seqs))
-        return r, torch.stack(out)
+        return r, decode_steps(r, [[5, 6, 7], [8, 9]], 4)
 
     generic_runner, generic = decode(False)
     static_runner, static = decode(True)

@@ -27,6 +27,7 @@ from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import attention_pb2
 from splitmoe.runtime.cluster_auth import ClusterSecurity
+from tests.support.decode_steps import decode_steps
 from tests.support.expert_services import ExpertServices, remote_experts
 from tests.support.processes import free_port
 
@@ -99,14 +100,7 @@ def test_static_decode_through_expert_services(services, demo_gguf, transport):
         with remote(g, services.address("low"), services.address("high"), transport=transport) as backend:
             options = dataclasses.replace(OPTIONS, static_decode=static)
             runner = ModelRunner.from_gguf(demo_gguf, options, experts=backend)
-            seqs = [Sequence(0, PROMPT[:5]), Sequence(1, PROMPT[5:]), Sequence(2, PROMPT[2:4])]
-            runner.step(seqs)
-            steps = []
-            for t in range(3):
-                for s in seqs:
-                    s.token_ids.append(20 + t)
-                steps.append(runner.step(seqs))
-            return torch.stack(steps)
+            return decode_steps(runner, [PROMPT[:5], PROMPT[5:], PROMPT[2:4]], 3)
 
     assert (decode(True) - decode(False)).abs().max() <= 1e-5
 

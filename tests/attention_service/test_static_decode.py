@@ -8,6 +8,7 @@ import torch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.static_decode import DecodeRows, fill_inputs, plan_segments
+from tests.support.decode_steps import decode_steps
 
 FAMILIES = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "dbrx", "deepseek", "deepseek3", "glm4moe", "llama4",
             "gptoss"]
@@ -18,18 +19,7 @@ def runner(path, static: bool, device="cpu", dtype=torch.float32, kv_block_token
                                                      kv_block_tokens=kv_block_tokens, static_decode=static, **options))
 
 
-def decode(r: ModelRunner, prompts: list[list[int]], num_steps: int) -> torch.Tensor:
-    """Every step's logits [steps, sequences, vocab]: the prompts prefilled, then `num_steps`
-    decode steps of all of them together, each feeding a token chosen from a fixed rule (not the
-    logits: both runs must see the same tokens)."""
-    seqs = [Sequence(i, list(p)) for i, p in enumerate(prompts)]
-    r.step(seqs)
-    out = []
-    for t in range(num_steps):
-        for s in seqs:
-            s.token_ids.append((s.token_ids[-1] * 7 + t) % 200 + 3)
-        out.append(r.step(seqs))
-    return torch.stack(out).cpu()
+decode = decode_steps
 
 
 @pytest.fixture(scope="module")
