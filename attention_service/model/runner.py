@@ -61,6 +61,9 @@ class RunnerOptions:
             raise ValueError(f"micro_batches must be 1 or 2, not {self.micro_batches}")
         if self.kv_cache_tokens < 1 or self.kv_block_tokens < 1:
             raise ValueError("kv_cache_tokens and kv_block_tokens must be >= 1")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: torch sees no CUDA GPU here (torch {torch.__version__}); "
+                             "install the torch build for your CUDA, or leave --device out")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

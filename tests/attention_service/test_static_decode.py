@@ -92,6 +92,17 @@ def test_the_cpu_keeps_its_own_path_by_default(demo_gguf):
     assert r.kv.num_blocks == r.blocks.pool.num_blocks  # no scratch block
 
 
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error(demo_gguf, capsys):
+    from splitmoe.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here")
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+        RunnerOptions(device=torch.device("cuda"))
+    assert main(["logits", str(demo_gguf), "--device", "cuda", "--token-ids", "1,2", "--out", "/dev/null"]) == 2
+    assert "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
+
+
 # ---- on a GPU -------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
