@@ -1,11 +1,12 @@
 """`splitmoe bench run --plot FILE.png`: decode tok/s against concurrent streams, one line per
-engine (the services, in-process, llama.cpp), from one run's figures."""
+engine (the services, in-process, and each peer that ran: llama.cpp, ik_llama.cpp), from one run's
+figures."""
 from __future__ import annotations
 
 from pathlib import Path
 
 ENGINES = (("services", "SplitMoE services", "tab:blue", "o"), ("inprocess", "SplitMoE in-process", "tab:green", "s"),
-           ("llamacpp", "llama.cpp", "tab:red", "^"))
+           ("llamacpp", "llama.cpp", "tab:red", "^"), ("ik_llamacpp", "ik_llama.cpp", "tab:purple", "v"))
 
 
 def plot_decode_curve(figures: dict, path: str | Path) -> Path:
@@ -17,10 +18,8 @@ def plot_decode_curve(figures: dict, path: str | Path) -> Path:
 
     curves = figures["decode_curve_tok_s"]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for key, label, color, marker in ENGINES:
-        curve = curves.get(key)
-        if not curve:
-            continue
+    for key, label, color, marker in engines_drawn(figures):
+        curve = curves[key]
         streams = sorted(curve)
         ax.plot(streams, [curve[n] for n in streams], label=label, color=color, marker=marker, linewidth=2)
         for n in streams:
@@ -42,3 +41,9 @@ def plot_decode_curve(figures: dict, path: str | Path) -> Path:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def engines_drawn(figures: dict) -> list[tuple[str, str, str, str]]:
+    """The engines with a curve in these figures, in the legend's order."""
+    curves = figures["decode_curve_tok_s"]
+    return [engine for engine in ENGINES if curves.get(engine[0])]

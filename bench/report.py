@@ -17,6 +17,18 @@ ROWS = (
     ("{streams}-stream step outside the expert services, %", "outside_experts_pct", None, None, None, False),
 )
 HEADER = ("metric", "splitmoe services", "in-process", "llama.cpp", "vs llama.cpp", "ceiling", "% of ceiling")
+# The peers, by the prefix of their figures (ROWS names llama.cpp's; the others' swap the prefix),
+# with their columns. llama.cpp's are always shown; ik_llama.cpp's when it ran.
+PEERS = (("llamacpp", "llama.cpp", "vs llama.cpp"), ("ik_llamacpp", "ik_llama.cpp", "vs ik"))
+
+
+def peer_key(llama_key: str | None, peer: str) -> str | None:
+    """The peer's figure for the row whose llama.cpp figure is `llama_key`."""
+    return None if llama_key is None else peer + llama_key.removeprefix("llamacpp")
+
+
+def peers_shown(figures: dict) -> list[tuple[str, str, str]]:
+    return [p for p in PEERS if p[0] == "llamacpp" or figures.get(f"{p[0]}_version") is not None]
 
 
 def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
@@ -27,30 +39,45 @@ def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> f
 
 
 def add_ratios(figures: dict) -> None:
-    """`vs_llamacpp` and `pct_of_ceiling` maps, keyed by the services' figure."""
-    vs, pct = {}, {}
-    for _, key, _, llama_key, ceiling_key, higher in ROWS:
-        if llama_key and (r := ratio(figures.get(key), figures.get(llama_key), higher)) is not None:
-            vs[key] = round(r, 3)
+    """`vs_llamacpp` (and `vs_ik_llamacpp` when ik_llama.cpp ran): how many times better, keyed by
+    the services' figure and, where it ran, the in-process one's; `pct_of_ceiling`, by the services'."""
+    pct = {}
+    for _, key, _, _, ceiling_key, _ in ROWS:
         if ceiling_key and _positive(figures.get(key)) and _positive(figures.get(ceiling_key)):
             pct[key] = round(100.0 * figures[key] / figures[ceiling_key], 1)
-    figures["vs_llamacpp"], figures["pct_of_ceiling"] = vs, pct
+    for peer, _, _ in peers_shown(figures):
+        vs = {}
+        for _, key, inproc_key, llama_key, _, higher in ROWS:
+            theirs = figures.get(peer_key(llama_key, peer)) if llama_key else None
+            for ours in (key, inproc_key):
+                if ours and (r := ratio(figures.get(ours), theirs, higher)) is not None:
+                    vs[ours] = round(r, 3)
+        figures[f"vs_{peer}"] = vs
+    figures["pct_of_ceiling"] = pct
 
 
 def table(figures: dict) -> str:
     workload = figures.get("workload", {})
-    rows = [HEADER]
+    peers = peers_shown(figures)
+    rows = [HEADER[:3] + tuple(c for _, name, vs in peers for c in (name, vs)) + HEADER[-2:]]
     for label, key, inproc_key, llama_key, ceiling_key, higher in ROWS:
         ours = figures.get(key)
-        r = ratio(ours, figures.get(llama_key), higher) if llama_key else None
         ceiling = figures.get(ceiling_key) if ceiling_key else None
         pct = 100.0 * ours / ceiling if _positive(ours) and _positive(ceiling) else None
         rows.append((label.format(prompt=workload.get("prompt_tokens", "?"), streams=workload.get("streams", "?")),
                      number(ours), number(figures.get(inproc_key)) if inproc_key else "",
-                     number(figures.get(llama_key)) if llama_key else "",
-                     f"{r:.2f}×" if r is not None else ("-" if llama_key else ""),
+                     *(cell for peer, _, _ in peers for cell in _peer_cells(figures, ours, peer_key(llama_key, peer),
+                                                                              higher)),
                      number(ceiling) if ceiling_key else "", f"{pct:.0f}%" if pct is not None else ""))
     return markdown_table(rows)
+
+
+def _peer_cells(figures: dict, ours, their_key: str | None, higher: bool) -> tuple[str, str]:
+    """The peer's figure and how many times better ours is; blank where the row has no peer figure."""
+    if their_key is None:
+        return "", ""
+    r = ratio(ours, figures.get(their_key), higher)
+    return number(figures.get(their_key)), f"{r:.2f}×" if r is not None else "-"
 
 
 def markdown_table(rows: list[tuple[str, ...]]) -> str:
@@ -74,10 +101,29 @@ def context_lines(figures: dict) -> list[str]:
         f"({f['touched_expert_bytes_source']}); "
         f"other weights {_mb(f['dense_bytes_per_token'])} MB per step (not in the ceilings)",
     ]
-    if f.get("llamacpp_version"):
+    if f.get("llamacpp_bin_dir"):
+        lines.append(peer_line(f, "llamacpp", "llama.cpp"))
+    elif f.get("llamacpp_version"):
         lines.append(f"llama.cpp: llama-cpp-python {f['llamacpp_version']}, same file and thread count")
-    lines.append("vs llama.cpp: times better (rates: ours / llama.cpp; time to first token: llama.cpp / ours)")
+    if f.get("ik_llamacpp_version"):
+        lines.append(peer_line(f, "ik_llamacpp", "ik_llama.cpp"))
+        lines.append("vs llama.cpp, vs ik: times better (rates: ours / the peer's; time to first token: the peer's "
+                     "/ ours)")
+    else:
+        lines.append("vs llama.cpp: times better (rates: ours / llama.cpp; time to first token: llama.cpp / ours)")
     return lines
+
+
+def peer_line(f: dict, peer: str, name: str) -> str:
+    """A peer run through its build's tools: where, which build, which flags gave each figure."""
+    flags = f.get(f"{peer}_flags") or {}
+    won = ", ".join(f"{what} {flags[k]}" for k, what in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode"),
+                                                          ("decode16_tok_s", "streams"))
+                    if flags.get(k, "defaults") != "defaults")
+    chosen = f"; per figure the better flags: {won}" if won else ""
+    note = f"; {f[peer + '_note']}" if f.get(f"{peer}_note") else ""
+    return (f"{name}: llama-bench and llama-batched-bench in {f[peer + '_bin_dir']}, build {f[peer + '_version']}, "
+            f"same file and thread count; first token = prompt / prefill rate{chosen}{note}")
 
 
 def attention_device(figures: dict) -> str:

@@ -1,9 +1,12 @@
 """`splitmoe bench run`: SplitMoE through its real services, the same engine in-process, and
-optionally llama.cpp on the same file and threads, with the memory-bandwidth ceilings of decode.
+optionally its peers on the same file and threads (llama.cpp, ik_llama.cpp), with the
+memory-bandwidth ceilings of decode.
 
 Order: the bandwidth (nothing else running), the services (this process only drives them), the
-in-process engine (the services are gone), then llama.cpp in a child process. Each engine warms
-up on its own prompt first, so every one is measured with the file in the page cache.
+in-process engine (the services are gone), then each peer in child processes, in the order asked.
+Each engine warms up on its own prompt first, so every one is measured with the file in the page
+cache. llama.cpp runs through llama-cpp-python (bench/llamacpp.py: our prompts, our phases) unless
+a build directory is given; ik_llama.cpp always runs its build's own tools (bench/peer_cli.py).
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from splitmoe.bench.peer_cli import FORKS, check_bin_dir
+from splitmoe.bench.peer_cli import run_peer as run_tools
 from splitmoe.bench.workload import Workload, make_prompts, normal_token_ids
 from splitmoe.runtime.memory import MIB
 
-BASELINES = ("none", "llama.cpp")
+BASELINES = ("none", "llama.cpp", "ik_llama.cpp")
 ATTENTION_DEVICES = ("cpu", "cuda")
 
 
@@ -27,7 +32,9 @@ class BenchSettings:
     model_path: str
     threads: int
     workload: Workload = Workload()
-    baseline: str = "none"             # "llama.cpp": also run the peer
+    baselines: tuple[str, ...] = ()    # the peers to run too, in order: "llama.cpp", "ik_llama.cpp"
+    llama_cpp_dir: str = ""            # a llama.cpp build's bin directory: its tools, not llama-cpp-python
+    ik_llama_cpp_dir: str = ""         # ik_llama.cpp's (its tools are the only way it runs)
     expert_services: int = 1            # one per NUMA node is the design (the CLI's default counts them)
     transport: str = "auto"
     dtype: str = "bfloat16"            # the attention side's (float32 is the exact reference path)
@@ -41,8 +48,13 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if self.baseline not in BASELINES:
-            raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
+        for name in self.baselines:
+            if name not in BASELINES:
+                raise ValueError(f"--baseline must be one of {', '.join(BASELINES)}, got {name!r}")
+        object.__setattr__(self, "baselines", tuple(dict.fromkeys(n for n in self.baselines if n != "none")))
+        if "ik_llama.cpp" in self.baselines and not self.ik_llama_cpp_dir:
+            raise ValueError("--baseline ik_llama.cpp needs its build's bin directory: --ik-llama-cpp-dir DIR "
+                             "(or SPLITMOE_IK_LLAMA_CPP_BIN)")
         if self.expert_services < 0:
             raise ValueError(f"--expert-services must be >= 0, got {self.expert_services}")
         if self.bandwidth_mb < 16:
@@ -63,11 +75,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     s, w = settings, settings.workload
     if not Path(s.model_path).is_file():
         raise ValueError(f"{s.model_path}: no such file")
-    if s.baseline == "llama.cpp":
-        from splitmoe.bench.llamacpp import PACKAGE, available
-
-        if not available():  # before minutes of measuring, not after
-            raise ValueError(f"--baseline llama.cpp needs the {PACKAGE} package: pip install 'splitmoe[bench]'")
+    peer_dirs = check_peers(s)  # before minutes of measuring, not after
     gpu = gpu_name() if s.attention_device == "cuda" else None
     if s.attention_device == "cuda" and gpu is None:
         raise ValueError("--attention-device cuda: torch sees no CUDA GPU here")
@@ -128,17 +136,19 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     if touched is None:
         touched = expert_bytes.uniform_estimate_per_step(w.streams)
 
-    if s.baseline == "llama.cpp":
-        from splitmoe.bench.llamacpp import run_baseline
-
-        say("  llama.cpp: the same file, threads and workload")
-        base = run_baseline(s.model_path, w, prompts, s.threads, run_dir / "llamacpp.log")
-        lap("llamacpp")
+    for name in s.baselines:
+        key, bin_dir = FORKS[name].key, peer_dirs.get(name)  # key: its figures' prefix in the JSON
+        base = run_peer(name, bin_dir, s, prompts, run_dir, say)
+        lap(key)
         say(_summary(base, w))
-        curves["llamacpp"] = _curve(base, w)
-        figures |= {"llamacpp_prefill_tok_s": base.prefill_tok_s, "llamacpp_decode_tok_s": base.decode_tok_s,
-                    "llamacpp_decode16_tok_s": base.decode16_tok_s, "llamacpp_ttft_s": base.ttft_s,
-                    "llamacpp_version": base.version}
+        curves[key] = _curve(base, w)
+        figures |= {f"{key}_prefill_tok_s": base.prefill_tok_s, f"{key}_decode_tok_s": base.decode_tok_s,
+                    f"{key}_decode16_tok_s": base.decode16_tok_s, f"{key}_ttft_s": base.ttft_s,
+                    f"{key}_version": base.version}
+        if bin_dir is not None:  # its own tools: where they came from, which flags won, what ran
+            figures |= {f"{key}_bin_dir": str(bin_dir), f"{key}_flags": base.flags,
+                        f"{key}_sweep_tok_s": base.sweep_tok_s, f"{key}_note": FORKS[name].note}
+            detail[key] = {"variants": base.variants, "commands": base.commands}
 
     dense = dense_bytes_per_token(g)
     figures |= {
@@ -163,6 +173,36 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
     add_ratios(figures)
     return figures
+
+
+def check_peers(s: BenchSettings) -> dict[str, Path]:
+    """The bin directory of every peer that runs its build's tools; ValueError (one line) when a
+    directory or tool is missing, or llama-cpp-python is, for the llama.cpp peer without one."""
+    dirs = {}
+    if "llama.cpp" in s.baselines:
+        if s.llama_cpp_dir:
+            dirs["llama.cpp"] = check_bin_dir(s.llama_cpp_dir, "--llama-cpp-dir")
+        else:
+            from splitmoe.bench.llamacpp import PACKAGE, available
+
+            if not available():
+                raise ValueError(f"--baseline llama.cpp needs the {PACKAGE} package (pip install 'splitmoe[bench]') "
+                                 f"or a llama.cpp build: --llama-cpp-dir DIR")
+    if "ik_llama.cpp" in s.baselines:
+        dirs["ik_llama.cpp"] = check_bin_dir(s.ik_llama_cpp_dir, "--ik-llama-cpp-dir")
+    return dirs
+
+
+def run_peer(name: str, bin_dir: Path | None, s: BenchSettings, prompts, run_dir: Path, say: Callable[[str], None]):
+    """One peer's figures: through its build's tools when `bin_dir` is given, else (llama.cpp)
+    through llama-cpp-python on our own prompts."""
+    if bin_dir is None:
+        from splitmoe.bench.llamacpp import run_baseline
+
+        say("  llama.cpp: the same file, threads and workload")
+        return run_baseline(s.model_path, s.workload, prompts, s.threads, run_dir / "llamacpp.log")
+    say(f"  {name}: its llama-bench and llama-batched-bench ({bin_dir}), the same file, threads and workload")
+    return run_tools(name, bin_dir, s.model_path, s.threads, s.workload, run_dir, say)
 
 
 def _curve(m, w: Workload) -> dict[int, float]:
@@ -192,8 +232,14 @@ def command_line(s: BenchSettings) -> str:
     """The command that repeats this run (the defaults left out)."""
     d, w, dw = BenchSettings(s.model_path, s.threads), s.workload, Workload()
     args = ["splitmoe", "bench", "run", "--model", s.model_path, "--threads", str(s.threads)]
+    for name in s.baselines:
+        args += ["--baseline", name]
+    if "llama.cpp" in s.baselines and s.llama_cpp_dir:  # written out even when the environment gave it
+        args += ["--llama-cpp-dir", s.llama_cpp_dir]
+    if "ik_llama.cpp" in s.baselines:
+        args += ["--ik-llama-cpp-dir", s.ik_llama_cpp_dir]
     for flag, value, default in [
-            ("--baseline", s.baseline, d.baseline), ("--expert-services", s.expert_services, d.expert_services),
+            ("--expert-services", s.expert_services, d.expert_services),
             ("--transport", s.transport, d.transport), ("--dtype", s.dtype, d.dtype),
             ("--attention-device", s.attention_device, d.attention_device),
             ("--omp-wait-policy", s.omp_wait_policy or "default", d.omp_wait_policy),

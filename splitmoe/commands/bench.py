@@ -2,33 +2,46 @@
 
 `make-model` writes a GGUF of a real MoE shape with random weights: reproducible (the same seed
 gives the same bytes) and made without llama.cpp; only the first `--layers` layers of the real
-model, in a llama.cpp quantization mix.
+model (Qwen3, OLMoE, gpt-oss-120b, DeepSeek-V3), in a llama.cpp quantization mix or one after
+Unsloth's dynamic DeepSeek quants.
 
 `run` measures prefill, time to first token, single-stream and concurrent decode and the per-hop
-overhead through the real services, the same engine in-process, and optionally llama.cpp on the
-same file and threads (`--baseline llama.cpp`, the `bench` extra); see bench/run.py.
+overhead through the real services, the same engine in-process, and optionally its peers on the
+same file and threads: `--baseline llama.cpp` (llama-cpp-python, the `bench` extra, or a build's own
+tools with `--llama-cpp-dir`) and `--baseline ik_llama.cpp` (a build's tools, `--ik-llama-cpp-dir`);
+see bench/run.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from splitmoe.runtime import settings
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark tooling")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     m = bench_sub.add_parser("make-model", help="write a realistic-shape GGUF with random weights")
-    m.add_argument("--shape", required=True, choices=["qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe-1b-7b"],
+    m.add_argument("--shape", required=True,
+                   choices=["qwen3-30b-a3b", "qwen3-235b-a22b", "olmoe-1b-7b", "gpt-oss-120b", "deepseek-v3"],
                    help="the real model whose dimensions the file takes")
     m.add_argument("--layers", type=int, required=True, help="how many of the real model's layers to write")
-    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q4_0", "q8_0"],
-                   help="tensor types: q4_k_m is llama.cpp's mix (Q4_K, Q6_K for some)")
+    m.add_argument("--quant", default="q4_k_m", choices=["q4_k_m", "q4_0", "q8_0", "mxfp4_moe", "ud_iq1_s"],
+                   help="tensor types: q4_k_m is llama.cpp's mix (Q4_K, Q6_K for some); mxfp4_moe is "
+                        "llama-quantize's MXFP4_MOE (MXFP4 experts, Q8_0 otherwise: gpt-oss as released); ud_iq1_s "
+                        "is after Unsloth's DeepSeek-R1-UD-IQ1_S (IQ1_S/IQ2_XXS/IQ3_XXS experts, Q4_K/Q6_K otherwise)")
     m.add_argument("--out", required=True, help="the GGUF file to write")
     m.add_argument("--seed", type=int, default=0, help="picks the random weights")
     m.add_argument("--vocab", type=int, default=0, help="override the shape's vocabulary size (small test files)")
+    m.add_argument("--dense-layers", type=int, default=None, metavar="N",
+                   help="leading dense layers, for shapes that have them (deepseek-v3: the real model has 3; "
+                        "default 1, so that a file of a few layers is mostly MoE layers)")
+    m.add_argument("--experts", type=int, default=0, metavar="E",
+                   help="fewer routed experts than the real model (small test files; widths stay real)")
     m.set_defaults(run=run_make_model)
 
-    r = bench_sub.add_parser("run", help="measure the services, in-process and (optionally) llama.cpp on one file")
+    r = bench_sub.add_parser("run", help="measure the services, in-process and (optionally) the peers on one file")
     r.add_argument("--model", required=True, help="the GGUF file (e.g. from `splitmoe bench make-model`)")
     r.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads (default: the CPUs this process may use): the expert services split T, the "
@@ -37,8 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--plot", default="", metavar="PNG",
                    help="also decode at 2, 4 and 8 streams and draw tok/s against streams for every engine "
                         "(default: no plot)")
-    r.add_argument("--baseline", default="none", choices=["none", "llama.cpp"],
-                   help="llama.cpp: run the peer on the same file and threads (needs `pip install 'splitmoe[bench]'`)")
+    r.add_argument("--baseline", action="append", default=[], choices=["none", "llama.cpp", "ik_llama.cpp"],
+                   help="a peer to run on the same file and threads; repeat for both (default: none). llama.cpp "
+                        "runs through llama-cpp-python (`pip install 'splitmoe[bench]'`) unless --llama-cpp-dir "
+                        "is given; ik_llama.cpp needs --ik-llama-cpp-dir")
+    r.add_argument("--llama-cpp-dir", default=settings.llama_cpp_bin_dir(), metavar="DIR",
+                   help="a llama.cpp build's bin directory: --baseline llama.cpp runs its llama-bench and "
+                        f"llama-batched-bench instead of llama-cpp-python (default: ${settings.LLAMA_CPP_BIN_ENV})")
+    r.add_argument("--ik-llama-cpp-dir", default=settings.ik_llama_cpp_bin_dir(), metavar="DIR",
+                   help="an ik_llama.cpp build's bin directory, for --baseline ik_llama.cpp: its llama-bench and "
+                        "llama-batched-bench, each with -rtr 0 and 1, the better counting "
+                        f"(default: ${settings.IK_LLAMA_CPP_BIN_ENV})")
     r.add_argument("--prompt-tokens", type=int, default=512, help="prefill / time-to-first-token prompt length")
     r.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per stream")
     r.add_argument("--streams", type=int, default=16, help="concurrent streams of the aggregate decode")
@@ -72,7 +94,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     from splitmoe.bench.make_model import write_model
 
     start = time.perf_counter()
-    path = write_model(args.out, args.shape, args.layers, args.quant, args.seed, args.vocab or None)
+    path = write_model(args.out, args.shape, args.layers, args.quant, args.seed, args.vocab or None,
+                       args.dense_layers, args.experts or None)
     size = path.stat().st_size
     print(f"{path}: {args.shape}, {args.layers} layers, {args.quant}, seed {args.seed}: "
           f"{size / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")
@@ -91,7 +114,8 @@ def run_bench(args: argparse.Namespace) -> int:
     workload = Workload(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, streams=args.streams,
                         stream_prompt_tokens=args.stream_prompt_tokens, seed=args.seed, sweep=sweep)
     settings = BenchSettings(
-        model_path=args.model, threads=args.threads or usable_cpus(), workload=workload, baseline=args.baseline,
+        model_path=args.model, threads=args.threads or usable_cpus(), workload=workload,
+        baselines=tuple(args.baseline), llama_cpp_dir=args.llama_cpp_dir, ik_llama_cpp_dir=args.ik_llama_cpp_dir,
         expert_services=numa_nodes() if args.expert_services is None else args.expert_services,
         transport=args.transport, dtype=args.dtype, attention_device=args.attention_device,
         omp_wait_policy="" if args.omp_wait_policy == "default" else args.omp_wait_policy,

@@ -57,3 +57,16 @@ def child_env(die_with_parent_pid: int, extra: Mapping[str, str] | None = None) 
 def die_with_parent_pid() -> int | None:
     value = os.environ.get(_PARENT_PID)
     return int(value) if value else None
+
+
+# The peers' build directories (their bin/, holding llama-bench and llama-batched-bench) for
+# `splitmoe bench run --baseline`, when its --llama-cpp-dir / --ik-llama-cpp-dir are not given.
+LLAMA_CPP_BIN_ENV, IK_LLAMA_CPP_BIN_ENV = "SPLITMOE_LLAMA_CPP_BIN", "SPLITMOE_IK_LLAMA_CPP_BIN"
+
+
+def llama_cpp_bin_dir() -> str:
+    return os.environ.get(LLAMA_CPP_BIN_ENV, "")
+
+
+def ik_llama_cpp_bin_dir() -> str:
+    return os.environ.get(IK_LLAMA_CPP_BIN_ENV, "")

@@ -164,6 +164,53 @@ def test_attention_device_reaches_the_attention_services_argv():
         BenchSettings("m.gguf", threads=2, attention_device="tpu")
 
 
+def test_baselines_repeat_and_carry_their_build_directories(monkeypatch):
+    for name in ("SPLITMOE_LLAMA_CPP_BIN", "SPLITMOE_IK_LLAMA_CPP_BIN"):
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["bench", "run", "--model", "m.gguf"])
+    assert (args.baseline, args.llama_cpp_dir, args.ik_llama_cpp_dir) == ([], "", "")
+    args = build_parser().parse_args(["bench", "run", "--model", "m.gguf", "--baseline", "llama.cpp", "--baseline",
+                                      "ik_llama.cpp", "--ik-llama-cpp-dir", "/ik/bin", "--llama-cpp-dir", "/lc/bin"])
+    assert (args.baseline, args.llama_cpp_dir, args.ik_llama_cpp_dir) == (["llama.cpp", "ik_llama.cpp"], "/lc/bin",
+                                                                          "/ik/bin")
+    monkeypatch.setenv("SPLITMOE_IK_LLAMA_CPP_BIN", "/env/ik/bin")  # the environment stands in for the flag
+    assert build_parser().parse_args(["bench", "run", "--model", "m.gguf"]).ik_llama_cpp_dir == "/env/ik/bin"
+
+    both = BenchSettings("m.gguf", threads=2, baselines=("ik_llama.cpp", "none", "llama.cpp", "ik_llama.cpp"),
+                         ik_llama_cpp_dir="/ik/bin", llama_cpp_dir="/lc/bin")
+    assert both.baselines == ("ik_llama.cpp", "llama.cpp")  # in the order asked, each once, "none" dropped
+    assert command_line(both) == ("splitmoe bench run --model m.gguf --threads 2 --baseline ik_llama.cpp "
+                                  "--baseline llama.cpp --llama-cpp-dir /lc/bin --ik-llama-cpp-dir /ik/bin")
+    # a directory with no peer asking for it changes nothing; llama-cpp-python needs none
+    assert command_line(BenchSettings("m.gguf", threads=2, llama_cpp_dir="/lc/bin")).endswith("--threads 2")
+    assert command_line(BenchSettings("m.gguf", threads=2, baselines=("llama.cpp",))).endswith("--baseline llama.cpp")
+    with pytest.raises(ValueError, match=r"--baseline ik_llama.cpp needs its build's bin directory: "
+                                         r"--ik-llama-cpp-dir DIR \(or SPLITMOE_IK_LLAMA_CPP_BIN\)"):
+        BenchSettings("m.gguf", threads=2, baselines=("ik_llama.cpp",))
+    with pytest.raises(ValueError, match="--baseline must be one of none, llama.cpp, ik_llama.cpp, got 'vllm'"):
+        BenchSettings("m.gguf", threads=2, baselines=("vllm",))
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--baseline", "ik_llama.cpp", "--ik-llama-cpp-dir", "{tmp}/none"], "--ik-llama-cpp-dir {tmp}/none: no such directory"),
+    (["--baseline", "ik_llama.cpp"], "--baseline ik_llama.cpp needs its build's bin directory"),
+    (["--baseline", "llama.cpp", "--llama-cpp-dir", "{tmp}"], "--llama-cpp-dir {tmp}: no executable llama-bench there"),
+])
+def test_a_missing_peer_build_is_one_line_and_exit_2_before_anything_runs(flags, error, tmp_path, monkeypatch, capsys):
+    from splitmoe.cli import main
+
+    for name in ("SPLITMOE_LLAMA_CPP_BIN", "SPLITMOE_IK_LLAMA_CPP_BIN"):
+        monkeypatch.delenv(name, raising=False)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")  # never read: the refusal comes first
+    argv = ["bench", "run", "--model", str(model), "--threads", "1", "--run-dir", str(tmp_path / "run"),
+            *(f.format(tmp=tmp_path) for f in flags)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitmoe bench: error: " + error.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
 def test_cuda_attention_is_refused_before_anything_starts_where_torch_sees_no_gpu(tmp_path):
     model = tmp_path / "m.gguf"
