@@ -89,3 +89,11 @@ def test_llama_cpp_through_its_tools_names_the_build_not_the_package():
     assert line == ("llama.cpp: llama-bench and llama-batched-bench in /peers/llama.cpp/bin, build unknown (0), "
                     "same file and thread count; first token = prompt / prefill rate")
     assert table(figures) == LLAMA_ONLY_TABLE
+
+
+def test_the_all_weights_ceiling_line_names_every_engine_that_ran():
+    from splitmoe.bench.report import all_weights_line
+
+    line = all_weights_line({"ceiling_all_weights_decode_tok_s": 200.0, "decode_tok_s": 120.0,
+                             "inprocess_decode_tok_s": 150.0, "ik_llamacpp_decode_tok_s": 170.0})
+    assert line.endswith("ceiling 200 tok/s; reached: services 60%, in-process 75%, ik_llama.cpp 85%")
