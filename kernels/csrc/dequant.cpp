@@ -229,12 +229,14 @@ BlockFn block_fn(int type) {
         case T_IQ2_XS: return use_avx2() ? dq_iq_avx2<IQ2XS> : dq_iq<IQ2XS>;
         case T_IQ2_S: return use_avx2() ? dq_iq_avx2<IQ2S> : dq_iq<IQ2S>;
         case T_IQ3_XXS: return use_avx2() ? dq_iq_avx2<IQ3XXS> : dq_iq<IQ3XXS>;
+        case T_IQ1_S: return use_avx2() ? dq_iq_avx2<IQ1S> : dq_iq<IQ1S>;
         case T_IQ3_S: return use_avx2() ? dq_iq_avx2<IQ3S> : dq_iq<IQ3S>;
 #else
         case T_IQ2_XXS: return dq_iq<IQ2XXS>;
         case T_IQ2_XS: return dq_iq<IQ2XS>;
         case T_IQ2_S: return dq_iq<IQ2S>;
         case T_IQ3_XXS: return dq_iq<IQ3XXS>;
+        case T_IQ1_S: return dq_iq<IQ1S>;
         case T_IQ3_S: return dq_iq<IQ3S>;
 #endif
         default: return nullptr;

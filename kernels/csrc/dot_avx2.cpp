@@ -409,6 +409,7 @@ void smk::init_avx2(Kernels& K) {
     K.dot[T_IQ2_XS] = rows<TIQX<IQ2XS>>;
     K.dot[T_IQ2_S] = rows<TIQX<IQ2S>>;
     K.dot[T_IQ3_XXS] = rows<TIQX<IQ3XXS>>;
+    K.dot[T_IQ1_S] = rows<TIQX<IQ1S>>;
     K.dot[T_IQ3_S] = rows<TIQX<IQ3S>>;
 }
 

@@ -33,6 +33,7 @@ TypeInfo type_info(int type) {
         case T_IQ2_XS: return {256, IQ2XS::BYTES};
         case T_IQ2_S: return {256, IQ2S::BYTES};
         case T_IQ3_XXS: return {256, IQ3XXS::BYTES};
+        case T_IQ1_S: return {256, IQ1S::BYTES};
         case T_IQ3_S: return {256, IQ3S::BYTES};
         default: return {0, 0};
     }
@@ -255,6 +256,7 @@ void init_scalar(Kernels& K) {
     K.dot[T_IQ2_XS] = dot_rows<DecIQ<IQ2XS>>;
     K.dot[T_IQ2_S] = dot_rows<DecIQ<IQ2S>>;
     K.dot[T_IQ3_XXS] = dot_rows<DecIQ<IQ3XXS>>;
+    K.dot[T_IQ1_S] = dot_rows<DecIQ<IQ1S>>;
     K.dot[T_IQ3_S] = dot_rows<DecIQ<IQ3S>>;
 }
 

@@ -28,8 +28,8 @@ from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, ran
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-# The IQ types with int8 kernels (the 1-bit and ternary ones take kernels.quants' dequantization).
-IQ_TYPES = [T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
+# The IQ types with int8 kernels (IQ1_M and the ternary ones take kernels.quants' dequantization).
+IQ_TYPES = [T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S]
 MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1, *IQ_TYPES]
 TOL = 1e-2
 
@@ -107,7 +107,7 @@ def test_reports_isa_and_threads():
     assert native.isa() in ("avx512vnni", "avx512bw", "avx2", "scalar")
     assert native.get_num_threads() >= 1
     assert all(native.supports(int(t)) for t in MATMUL_TYPES)
-    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ1_S))
+    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ1_M))
 
 
 @pytest.mark.parametrize("qtype", MATMUL_TYPES, ids=lambda t: t.name)
@@ -224,7 +224,7 @@ def test_dequantize_expert_tensor_and_errors():
     with pytest.raises(ValueError, match="dtype"):
         native.dequantize(w[0], torch.float16)
     with pytest.raises(ValueError, match="unsupported"):
-        native.dequantize(QuantTensor("iq", int(T.IQ1_S), (1, 256), np.zeros((1, 50), np.uint8)))
+        native.dequantize(QuantTensor("iq", int(T.IQ1_M), (1, 256), np.zeros((1, 56), np.uint8)))
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ D, FFN, E, K = 512, 256, 6, 2
 # Scale per unit of the fp16 d: the IQ4 codes are O(50) (IQ4_XS's sub-block scales O(16) on top),
 # the 2-bit IQ types' values O(50) per unit of d, the 3-bit ones' O(100), the other types' quants O(10).
 TAME_SCALE = {T.IQ4_NL: 1e-3, T.IQ4_XS: 6e-5, T.IQ2_XXS: 1e-3, T.IQ2_XS: 1e-3, T.IQ2_S: 1e-3, T.IQ3_XXS: 4e-4,
-              T.IQ3_S: 4e-4}
+              T.IQ3_S: 4e-4, T.IQ1_S: 1e-2}
 
 
 def make_experts(activation: str, biases: bool, types=(T.Q4_K, T.Q4_K, T.Q6_K), seed: int = 0) -> dict[int, ExpertFFN]:
@@ -346,7 +346,8 @@ def test_moe_silu_q8_and_mixed_types_against_kernels_moe():
 
 
 @pytest.mark.parametrize("types", [(T.IQ4_XS, T.IQ4_XS, T.IQ4_NL), (T.IQ4_NL, T.IQ4_NL, T.IQ4_XS),
-                                   (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS), (T.IQ2_XS, T.IQ2_S, T.IQ3_S)],
+                                   (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS), (T.IQ2_XS, T.IQ2_S, T.IQ3_S),
+                                   (T.IQ1_S, T.IQ1_S, T.IQ2_XXS)],  # DeepSeek-R1's dynamic 1-bit quants
                          ids=lambda ts: "-".join(t.name for t in ts))
 def test_moe_iq_types_every_isa(types, isa):
     """The IQ kernels inside the MoE layer (the intermediate activations quantized by the layer
