@@ -86,10 +86,12 @@ def instrument(runner, timers: Timers) -> None:
                     names[id(m)] = "shared expert"
 
     for layer in w.layers:
-        names[id(layer.attn.qkv)] = "attn q/k/v" if hasattr(layer.attn, "qkv") else None
+        if hasattr(layer.attn, "qkv"):  # multi-head attention's fused q/k/v (MLA has none)
+            names[id(layer.attn.qkv)] = "attn q/k/v"
         for ffn, label in ((layer.dense_ffn, "dense ffn"), (layer.moe and layer.moe.shared, "shared expert")):
             if ffn is not None:
                 names[id(ffn.gate_up)] = label
+                names[id(ffn.down)] = label
 
     def linear_label(x, weight, *rest):
         return names.get(id(weight), "other linear")
