@@ -96,6 +96,10 @@ class RecordingExperts:
         self._record(layer, hidden, expert_ids)
         return self.inner.submit(layer, hidden, expert_ids, expert_weights)
 
+    def submit_ahead(self, layer, hidden, expert_ids, expert_weights):  # a GPU's micro-batches
+        self._record(layer, hidden, expert_ids)
+        return self.inner.submit_ahead(layer, hidden, expert_ids, expert_weights)
+
     def _record(self, layer, hidden, expert_ids) -> None:
         if self.recording:
             ids = expert_ids[expert_ids >= 0]  # -1: a dropped slot

@@ -59,13 +59,18 @@ def run_baseline(model_path: str, workload: Workload, prompts: Prompts, threads:
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the llama.cpp baseline did not finish within {timeout_s:g} s (log: {log_path})") from None
     if done.returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"the llama.cpp baseline exited with code {done.returncode}; last lines of {log_path}:\n"
-                           + "\n".join("    " + line for line in tail))
+        raise child_failed("the llama.cpp baseline", done.returncode, log_path)
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     result = json.loads(lines[-1])  # the last line: llama.cpp may print before it
     result["sweep_tok_s"] = {int(n): v for n, v in result.get("sweep_tok_s", {}).items()}  # JSON made them text
     return LlamaCppResult(**result)
+
+
+def child_failed(what: str, returncode: int, log_path: Path) -> RuntimeError:
+    """A peer's process that exited badly, with the last lines of its log: the error to raise."""
+    tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    return RuntimeError(f"{what} exited with code {returncode}; last lines of {log_path}:\n"
+                        + "\n".join("    " + line for line in tail))
 
 
 # ---- the child ----------------------------------------------------------------------------------

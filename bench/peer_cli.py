@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from splitmoe.bench.llamacpp import child_failed
 from splitmoe.bench.workload import Workload
 
 BENCH_TOOL, BATCHED_TOOL = "llama-bench", "llama-batched-bench"
@@ -223,9 +224,7 @@ def run_tool(command: list[str], log_path: Path, timeout_s: float, stdout_path: 
             raise RuntimeError(f"{Path(command[0]).name} did not finish within {timeout_s:g} s "
                                f"(log: {log_path})") from None
     if done.returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        raise RuntimeError(f"{Path(command[0]).name} exited with code {done.returncode}; last lines of {log_path}:\n"
-                           + "\n".join("    " + line for line in tail))
+        raise child_failed(Path(command[0]).name, done.returncode, log_path)
     return (stdout_path or log_path).read_text(errors="replace")
 
 

@@ -15,7 +15,7 @@ import torch
 
 from splitmoe.attention_service.experts.heat import ExpertHeat, HeatSnapshot
 from splitmoe.attention_service.experts.placement import ServiceShard
-from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice, OnDevice
+from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
@@ -68,6 +68,16 @@ class ExpertBackend(Protocol):
         """MoE layers some routed expert of which no healthy expert service hosts now."""
         ...
 
+    def device_layers(self) -> frozenset[int]:
+        """MoE layers computed entirely on the attention device, with no host wait: the static
+        decode runs them inside a segment (model/static_decode.py); empty but with GPU experts."""
+        ...
+
+    def device_bytes(self) -> tuple[int, int]:
+        """(device bytes of experts kept on the attention device, page-locked host bytes the hops
+        hold), for the GPU memory report (gpu/memory.py)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -100,32 +110,22 @@ class InProcessExperts:
                 expert_weights: torch.Tensor) -> torch.Tensor:
         return self.submit(layer, hidden, expert_ids, expert_weights).wait()
 
+    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor) -> ExpertsHandle:
+        return self.copies.submit(self._compute, layer, hidden, expert_ids, expert_weights)
+
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                      expert_weights: torch.Tensor) -> ExpertsHandle:
-        """`submit` that returns at once: the send-ahead thread waits for the rows' copy and
-        computes the experts (gpu/send_ahead.py: the GPU queues the other micro-batch meanwhile)."""
-        copies = self.copies(hidden.device)
-        staged = copies.to_host_async(hidden, expert_ids, expert_weights)
+        """`submit` that returns at once: the send-ahead thread computes the experts while the
+        GPU queues the other micro-batch (gpu/send_ahead.py)."""
+        return self.copies.submit_ahead(self._ahead, self._compute, layer, hidden, expert_ids, expert_weights)
 
-        def start() -> Ready:
-            hidden_rows, ids, weights = staged.wait()
-            out = self.shard.forward(layer, hidden_rows, ids, weights)
-            self.heat.add(layer, ids)
-            return Ready(out)
-
-        return OnDevice(self._ahead.submit(start), copies, staged)
-
-    def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> Ready:
-        copies = self.copies(hidden.device)
-        staged = copies.to_host(hidden, expert_ids, expert_weights)
-        try:
-            hidden, ids, weights = staged.tensors
-            out = self.shard.forward(layer, hidden, ids, weights)
-            self.heat.add(layer, ids)
-        finally:
-            copies.release(staged)
-        return Ready(copies.to_device(out))
+    def _compute(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                 new_output=None) -> Ready:
+        """On host tensors (the shard makes its own output tensor: `new_output` is not needed)."""
+        out = self.shard.forward(layer, hidden, expert_ids, expert_weights)
+        self.heat.add(layer, expert_ids)
+        return Ready(out)
 
     def health(self) -> dict[str, "ServiceHealth"]:
         return {}
@@ -149,6 +149,12 @@ class InProcessExperts:
 
     def uncovered_layers(self) -> list[int]:
         return []
+
+    def device_layers(self) -> frozenset[int]:
+        return frozenset()
+
+    def device_bytes(self) -> tuple[int, int]:
+        return 0, self.copies.host_buffer_bytes()
 
     def close(self) -> None:
         self._ahead.close()

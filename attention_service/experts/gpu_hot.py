@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from splitmoe.attention_service.experts.backend import ExpertBackend, ExpertsHandle, HopStats, Ready, ServiceHealth
+from splitmoe.attention_service.experts.backend import ExpertsHandle, HopStats, InProcessExperts, Ready, ServiceHealth
 from splitmoe.attention_service.experts.device_experts import (
     DeviceExperts,
     choose_device_experts,
@@ -27,6 +27,7 @@ from splitmoe.attention_service.experts.device_experts import (
 )
 from splitmoe.attention_service.experts.heat import HeatSnapshot
 from splitmoe.attention_service.experts.load_plan import HeatBudget
+from splitmoe.attention_service.experts.remote import RemoteExperts
 from splitmoe.modelfile.experts import ExpertKey, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 
@@ -67,7 +68,8 @@ class PlusDevice:
 class GpuHotExperts:
     """An ExpertBackend: the GPU's pairs here, the rest through `inner`; see the module docstring."""
 
-    def __init__(self, inner: ExpertBackend, device_experts: DeviceExperts, num_layers: int, num_experts: int):
+    def __init__(self, inner: InProcessExperts | RemoteExperts, device_experts: DeviceExperts, num_layers: int,
+                 num_experts: int):
         self.inner, self.gpu = inner, device_experts
         full = {layer: set() for layer in device_experts.layers}
         for key in device_experts.keys:
@@ -92,28 +94,25 @@ class GpuHotExperts:
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                expert_weights: torch.Tensor) -> ExpertsHandle:
-        if not self.gpu.has_layer(layer) or hidden.device != self.gpu.device:
-            return self.inner.submit(layer, hidden, expert_ids, expert_weights)
-        if layer in self._full:
-            self._count(layer, expert_ids)
-            return Ready(self.gpu.forward(layer, hidden, expert_ids, expert_weights))
-        here, there = self.gpu.split(layer, expert_ids)
-        local = self.gpu.forward(layer, hidden, here, expert_weights)  # queued on the GPU first
-        self._count(layer, here)
-        return PlusDevice(self.inner.submit(layer, hidden, there, expert_weights), local)
+        return self._submit(self.inner.submit, layer, hidden, expert_ids, expert_weights)
 
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                      expert_weights: torch.Tensor) -> ExpertsHandle:
         """`submit` with the wrapped backend's part sent ahead (gpu/send_ahead.py)."""
-        ahead = getattr(self.inner, "submit_ahead", self.inner.submit)
+        return self._submit(self.inner.submit_ahead, layer, hidden, expert_ids, expert_weights)
+
+    def _submit(self, inner_submit, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                expert_weights: torch.Tensor) -> ExpertsHandle:
+        """The GPU's part queued on the device first, the rest through `inner_submit`."""
         if not self.gpu.has_layer(layer) or hidden.device != self.gpu.device:
-            return ahead(layer, hidden, expert_ids, expert_weights)
-        if layer in self._full:  # no hop: nothing to send ahead
-            return self.submit(layer, hidden, expert_ids, expert_weights)
+            return inner_submit(layer, hidden, expert_ids, expert_weights)
+        if layer in self._full:  # no hop
+            self._count(layer, expert_ids)
+            return Ready(self.gpu.forward(layer, hidden, expert_ids, expert_weights))
         here, there = self.gpu.split(layer, expert_ids)
         local = self.gpu.forward(layer, hidden, here, expert_weights)
         self._count(layer, here)
-        return PlusDevice(ahead(layer, hidden, there, expert_weights), local)
+        return PlusDevice(inner_submit(layer, hidden, there, expert_weights), local)
 
     def _count(self, layer: int, expert_ids: torch.Tensor) -> None:
         ids = expert_ids.reshape(-1) + 1  # -1 (not here) lands in column 0
@@ -139,11 +138,8 @@ class GpuHotExperts:
         return view
 
     def _fold_counts(self) -> None:
-        heat = getattr(self.inner, "heat", None)
-        if heat is None:
-            return
         table = self._counts[:, 1:].to("cpu", copy=True)  # a copy also where the device is the CPU
-        heat.add_table(table - self._folded)
+        self.inner.heat.add_table(table - self._folded)
         self._folded = table
 
     def health(self) -> dict[str, ServiceHealth]:
@@ -157,6 +153,9 @@ class GpuHotExperts:
 
     def uncovered_layers(self) -> list[int]:
         return self.inner.uncovered_layers()
+
+    def device_bytes(self) -> tuple[int, int]:
+        return self.gpu.num_bytes, self.inner.device_bytes()[1]
 
     def _rebalance(self, dry_run: bool = False):
         """The wrapped backend's placement by load (the GPU's set stays: see the module docstring)."""

@@ -61,4 +61,4 @@ class PlusLocal:
 
     def wait(self) -> torch.Tensor:
         out = self._handle.wait()  # the call's own sum: added to in place (it may be a lent host buffer)
-        return out.add_(self._local.to(device=out.device, dtype=torch.float32))
+        return out.add_(self._local.float())

@@ -3,7 +3,9 @@
 The data path is one thread at a time (every connection's hops are answered in order): a call is
 sent and collected under `InFlightCalls`' lock. Up to `max_calls` calls may be in flight (the
 transformer's two micro-batches: attention of one runs while the experts of the other compute); a
-further one first collects the oldest.
+further one first collects the oldest. The tensors are host tensors: from a GPU the backend copies
+them to the host first (gpu/hop_copies.py), and the send-ahead thread of its micro-batches
+(gpu/send_ahead.py) sends under the same lock.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class InFlightCalls:
             call = LayerCall(self._services, self.collect, layer, hidden, expert_ids, expert_weights,
                              new_output or _new_output)
             self._calls.append(call)
-            call.send_locked(expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu())
+            call.send_locked(expert_ids)
         return call
 
     @contextlib.contextmanager
@@ -77,7 +79,7 @@ class LayerCall:
                  new_output: Callable[[torch.Size], torch.Tensor] = None):
         self._services, self._collect = services, collect
         self._new_output = new_output or _new_output
-        self._layer, self._device = layer, hidden.device
+        self._layer = layer
         # (each torch call costs microseconds: only the conversions needed)
         self._hidden = hidden.detach() if hidden.requires_grad else hidden
         weights = expert_weights.detach() if expert_weights.requires_grad else expert_weights
@@ -104,12 +106,8 @@ class LayerCall:
         self._parts, self._hops = [], []
         try:
             parts = self._services.plan(self._layer, work)
-            hidden = self._hidden
-            if hidden.device.type != "cpu" and any(p.rows is not None for p in parts):
-                hidden = self._hidden = hidden.cpu()  # rows are gathered on the CPU
-            weights = self._weights if self._weights.device.type == "cpu" else self._weights.cpu()
             for part in parts:
-                self._hops.append(self._services.submit(part, self._layer, hidden, weights))
+                self._hops.append(self._services.submit(part, self._layer, self._hidden, self._weights))
                 self._parts.append(part)
         except Exception as e:  # noqa: BLE001 - handed to the waiter
             self._error = e
@@ -146,7 +144,7 @@ class LayerCall:
                 if not failed:
                     if out is None:  # nothing was routed anywhere
                         out = self._new_output(self._hidden.shape).zero_()
-                    self._out = out if self._device.type == "cpu" else out.to(self._device)
+                    self._out = out
                     return
                 if self._rounds > self._services.num_services:  # each failed round marks a service unhealthy
                     raise ExpertsUnavailable(f"layer {self._layer}: expert services kept failing: "

@@ -33,7 +33,7 @@ from splitmoe.attention_service.experts.load_plan import choose_hot, imbalance, 
 from splitmoe.attention_service.experts.placement import ExpertsUnavailable, Placement, ServiceShard
 from splitmoe.attention_service.experts.service_client import ExpertRequestError
 from splitmoe.attention_service.experts.services import ExpertServices, RemoteExpertsSettings
-from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice, OnDevice
+from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, load_layer_experts, moe_layers
@@ -102,41 +102,26 @@ class RemoteExperts:
 
         From a GPU the three tensors come to the host together (one wait: gpu/hop_copies.py) and
         the answer goes back asynchronously when waited for."""
-        if hidden.device.type == "cpu":
-            return self._submit_host(layer, hidden, expert_ids, expert_weights)
-        copies = self.copies(hidden.device)
-        staged = copies.to_host(hidden, expert_ids, expert_weights)
-        try:
-            handle = self._submit_host(layer, *staged.tensors, new_output=copies.output_buffer)
-        except BaseException:
-            copies.release(staged)
-            raise
-        return OnDevice(handle, copies, staged)
+        return self.copies.submit(self._submit_host, layer, hidden, expert_ids, expert_weights)
 
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                      expert_weights: torch.Tensor) -> ExpertsHandle:
-        """`submit` that returns at once: the rows' copy to the host is queued, and the send-ahead
-        thread waits for it and sends (gpu/send_ahead.py: the GPU's two micro-batches)."""
-        copies = self.copies(hidden.device)
-        staged = copies.to_host_async(hidden, expert_ids, expert_weights)
+        """`submit` that returns at once: the send-ahead thread waits for the rows' copy to the host
+        and sends them (gpu/send_ahead.py: the GPU's two micro-batches)."""
+        return self.copies.submit_ahead(self._ahead, self._submit_host, layer, hidden, expert_ids, expert_weights)
 
-        def start() -> ExpertsHandle:
-            return self._submit_host(layer, *staged.wait(), new_output=copies.output_buffer)
-
-        return OnDevice(self._ahead.submit(start), copies, staged)
-
-    def _submit_host(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                     expert_weights: torch.Tensor, new_output=None) -> ExpertsHandle:
-        ids = expert_ids if expert_ids.device.type == "cpu" else expert_ids.cpu()
+    def _submit_host(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, expert_weights: torch.Tensor,
+                     new_output=None) -> ExpertsHandle:
+        """`submit` on host tensors; `new_output`: where the services' sum goes (layer_call.py)."""
         self.heat.add(layer, ids)
         if layer in self._local_layers:
-            return Ready(self._local.forward(layer, hidden.cpu(), ids, expert_weights.cpu()).to(hidden.device))
+            return Ready(self._local.forward(layer, hidden, ids, expert_weights))
         hot = self._hot  # read once: a rebalance replaces it whole
         if hot is None or not hot.has_layer(layer):
             return self._in_flight.submit(layer, hidden, ids, expert_weights, new_output)
         here, there = hot.split(layer, ids)
         handle = self._in_flight.submit(layer, hidden, there, expert_weights, new_output)  # the services start first
-        return PlusLocal(handle, hot.forward(layer, hidden.cpu(), here, expert_weights.cpu()))
+        return PlusLocal(handle, hot.forward(layer, hidden, here, expert_weights))
 
     # ---- placement by load ----------------------------------------------------------------------
 
@@ -250,6 +235,12 @@ class RemoteExperts:
 
     def uncovered_layers(self) -> list[int]:
         return self._services.uncovered_layers()
+
+    def device_layers(self) -> frozenset[int]:
+        return frozenset()
+
+    def device_bytes(self) -> tuple[int, int]:
+        return 0, self.copies.host_buffer_bytes()
 
     def close(self) -> None:
         self._ahead.close()

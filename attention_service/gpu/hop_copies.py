@@ -17,11 +17,16 @@ them, and nothing is copied.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from splitmoe.attention_service.gpu.host_buffers import HostBuffers
+from splitmoe.attention_service.gpu.send_ahead import SendAhead
+
+# A backend's layer call on host tensors: (layer, hidden, expert ids, expert weights, new_output) ->
+# its handle; new_output(shape) gives the float32 buffer its answer may be summed into (None: any).
+HostStart = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "Callable | None"], object]
 
 
 @dataclass(slots=True)
@@ -172,6 +177,29 @@ class CopiesByDevice:
     def host_buffer_bytes(self) -> int:
         """Page-locked host memory the hops hold (for the memory report)."""
         return sum(c.buffers.num_bytes for c in self._by_device.values() if c.buffers is not None)
+
+    def submit(self, start: HostStart, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+               expert_weights: torch.Tensor):
+        """`start(layer, hidden, ids, weights, new_output)` on host tensors: a backend's layer call,
+        from whatever device the tensors are on; its handle's answer lands on that device."""
+        if hidden.device.type == "cpu":
+            return start(layer, hidden, expert_ids, expert_weights, None)
+        copies = self(hidden.device)
+        staged = copies.to_host(hidden, expert_ids, expert_weights)
+        try:
+            handle = start(layer, *staged.tensors, copies.output_buffer)
+        except BaseException:
+            copies.release(staged)
+            raise
+        return OnDevice(handle, copies, staged)
+
+    def submit_ahead(self, ahead: SendAhead, start: HostStart, layer: int, hidden: torch.Tensor,
+                     expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> "OnDevice":
+        """`submit` that returns at once: the copies to the host are queued, and `ahead`'s thread
+        waits for them and starts the call (gpu/send_ahead.py)."""
+        copies = self(hidden.device)
+        staged = copies.to_host_async(hidden, expert_ids, expert_weights)
+        return OnDevice(ahead.submit(lambda: start(layer, *staged.wait(), copies.output_buffer)), copies, staged)
 
 
 class OnDevice:

@@ -66,15 +66,6 @@ def resolved(device: torch.device) -> torch.device:
     return device
 
 
-def backend_bytes(experts: object) -> tuple[int, int]:
-    """(device bytes of the backend's GPU experts, page-locked host bytes of its hop copies): an
-    expert backend, wrapped by experts/gpu_hot.py or not."""
-    gpu = getattr(experts, "gpu", None)
-    inner = getattr(experts, "inner", experts)
-    copies = getattr(inner, "copies", None)
-    return (gpu.num_bytes if gpu is not None else 0), (copies.host_buffer_bytes() if copies is not None else 0)
-
-
 def device_memory(device: torch.device, *, weights_bytes: int, kv_cache_bytes: int, gpu_experts_bytes: int = 0,
                   graphs_bytes: int = 0, pinned_host_bytes: int = 0) -> DeviceMemory | None:
     """The report for a CUDA device; None for the CPU (its memory is the process's: runtime/memory.py)."""

@@ -15,7 +15,7 @@ import torch
 
 from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
 from splitmoe.attention_service.gpu.graphs import SegmentGraphs
-from splitmoe.attention_service.gpu.memory import DeviceMemory, backend_bytes, device_memory, tensor_bytes
+from splitmoe.attention_service.gpu.memory import DeviceMemory, device_memory, tensor_bytes
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.model.kv_cache import KVCache
@@ -115,7 +115,8 @@ class ModelRunner:
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
         logits = None
-        if all(n == s.num_tokens - s.num_cached_tokens for s, n in zip(seqs, num_new_tokens)):
+        if self.static_decode is not None and all(n == 1 == s.num_tokens - s.num_cached_tokens
+                                                  for s, n in zip(seqs, num_new_tokens)):
             logits = self._static_step(seqs)
         if logits is None:
             batch = self._build_batch(seqs, num_new_tokens, all_logits)
@@ -131,7 +132,9 @@ class ModelRunner:
 
     def device_memory(self) -> DeviceMemory | None:
         """What the attention device holds, by use (gpu/memory.py); None on the CPU."""
-        gpu_experts_bytes, pinned_bytes = backend_bytes(self.model.experts)
+        if self.options.device.type == "cpu":
+            return None
+        gpu_experts_bytes, pinned_bytes = self.model.experts.device_bytes()
         graphs = self.static_decode.graphs if self.static_decode is not None else None
         return device_memory(self.options.device, weights_bytes=self.weight_bytes, kv_cache_bytes=self.kv.reserved_bytes,
                              gpu_experts_bytes=gpu_experts_bytes, graphs_bytes=graphs.num_bytes if graphs else 0,
@@ -140,24 +143,21 @@ class ModelRunner:
     def _static_decode(self, num_blocks: int) -> StaticDecode:
         o = self.options
         graphs = SegmentGraphs(o.device) if o.cuda_graphs and o.device.type == "cuda" else None
-        device_layers = getattr(self.model.experts, "device_layers", lambda: frozenset())()
         return StaticDecode(self.model, self.kv, scratch_slot=num_blocks * o.kv_block_tokens, graphs=graphs,
-                            device_layers=device_layers, max_context_tokens=num_blocks * o.kv_block_tokens)
+                            device_layers=self.model.experts.device_layers(),
+                            max_context_tokens=num_blocks * o.kv_block_tokens)
 
     def _static_step(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """The step through `static_decode` when it takes it (one new token each, the model's own
-        experts per token, a bucket that fits); None otherwise."""
-        if self.static_decode is None or any(s.num_tokens - s.num_cached_tokens != 1 for s in seqs) \
-                or any(s.num_experts_per_token not in (0, self.cfg.num_experts_used) for s in seqs):
-            return None
-        if not self.static_decode.accepts(len(seqs), max(s.num_tokens for s in seqs)):
+        """A decode step (one new token each) through `static_decode` when it takes it (the
+        model's own experts per token, a bucket that fits); None otherwise."""
+        if any(s.num_experts_per_token not in (0, self.cfg.num_experts_used) for s in seqs) \
+                or not self.static_decode.accepts(len(seqs), max(s.num_tokens for s in seqs)):
             return None
         contexts = []
         for s in seqs:
             self.blocks.reserve(s.seq_id, s.num_tokens)
             contexts.append(self.blocks.slots(s.seq_id, 0, s.num_tokens))
-        return self.static_decode.run(DecodeRows([s.token_ids[-1] for s in seqs],
-                                                 [s.num_cached_tokens for s in seqs], contexts))
+        return self.static_decode.run(DecodeRows([s.token_ids[-1] for s in seqs], contexts))
 
     def _build_batch(self, seqs: list[Sequence], num_new_tokens: list[int], all_logits: bool) -> StepBatch:
         ids, positions, new_slots, slices, logits_rows, experts = [], [], [], [], [], []

@@ -40,8 +40,7 @@ class DecodeRows:
     """One decode step's sequences, one new token each, as the host knows them."""
 
     token_ids: list[int]
-    positions: list[int]          # each token's position: its context length - 1
-    contexts: list[torch.Tensor]  # each sequence's cache slots, positions 0..position (host, int64)
+    contexts: list[torch.Tensor]  # each sequence's cache slots, its new token's last (host, int64)
 
 
 def plan_segments(model: MoETransformer, device_layers: frozenset[int] = frozenset()) -> list[Segment]:
@@ -85,13 +84,14 @@ class _Bucket:
     def __init__(self, rows: _Rows, context_tokens: int, device: torch.device):
         self.rows, self.context_tokens = rows, context_tokens
         self.inputs = torch.zeros(rows.num_rows, _SLOTS + context_tokens, dtype=torch.int64, device=device)
+        self.logits_rows = torch.arange(rows.num_rows, device=device)
 
     def batch(self) -> StepBatch:
         """Views of the input table as a StepBatch: new view objects each step, so that caches
         keyed on a tensor's identity (the rope tables') never see last step's contents as this one's."""
         t = self.inputs
         return StepBatch(token_ids=t[:, _TOKEN], positions=t[:, _POSITION], new_slots=t[:, _NEW_SLOT], seqs=(),
-                         logits_rows=torch.arange(t.shape[0], device=t.device),
+                         logits_rows=self.logits_rows,
                          paged=PagedContext(t[:, _SLOTS:], t[:, _CONTEXT_LEN]))
 
 
@@ -146,7 +146,7 @@ class StaticDecode:
             if i == segment.hop:
                 rows.keep_hop(m.start_ffn(layer, h32.to(m.dtype), h32, batch, top_k), h32)
             else:
-                x = x + m._ffn(i, layer, h32, batch, top_k)
+                x = x + m.ffn(i, layer, h32, batch, top_k)
         if segment.hop is None:
             rows.logits.copy_(m.head(x))
         else:
@@ -212,7 +212,7 @@ def fill_inputs(table: torch.Tensor, step: DecodeRows, scratch_slot: int) -> Non
     table[:, _POSITION] = 0
     table[:, _CONTEXT_LEN] = 1
     table[:n, _TOKEN] = torch.tensor(step.token_ids, dtype=torch.int64)
-    table[:n, _POSITION] = torch.tensor(step.positions, dtype=torch.int64)
+    table[:n, _POSITION] = lens - 1
     table[:n, _CONTEXT_LEN] = lens
     table[:n, _NEW_SLOT] = slots[lens.cumsum(0) - 1]  # each context's last slot: its new token's
     row = torch.repeat_interleave(torch.arange(n), lens)

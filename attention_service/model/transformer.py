@@ -75,7 +75,7 @@ class FFNStart:
 
     @staticmethod
     def finish(experts_out: torch.Tensor, shared: torch.Tensor | None, tokens: int) -> torch.Tensor:
-        """The FFN's output from the routed experts' float32 sum, exactly as `MoETransformer._ffn` adds."""
+        """The FFN's output from the routed experts' float32 sum, exactly as `MoETransformer.ffn` adds."""
         out = per_token(experts_out.float(), tokens)
         return out if shared is None else out + shared
 
@@ -120,11 +120,11 @@ class MoETransformer:
             x = x.contiguous()
             for i, (layer, front) in enumerate(zip(w.layers, fronts)):
                 h32, logits = front(step, x)  # x += attention, in place
-                x += self._ffn(i, layer, h32, batch, top_k, logits)
+                x += self.ffn(i, layer, h32, batch, top_k, logits)
         else:
             for i, layer in enumerate(w.layers):
                 x = x + self.attention(i, layer.attn, self.norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
-                x = x + self._ffn(i, layer, self.norm(x, layer.ffn_norm, eps), batch, top_k)
+                x = x + self.ffn(i, layer, self.norm(x, layer.ffn_norm, eps), batch, top_k)
         return self.head(x[batch.logits_rows])
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +193,7 @@ class MoETransformer:
             shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
         return shared
 
-    def _ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int,
+    def ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch, top_k: int,
              router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """h32: the normed input in float32; the router and gates read it before rounding.
         `router_logits`: the router's product of h32 when the caller computed it already."""

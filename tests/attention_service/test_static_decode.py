@@ -69,7 +69,7 @@ def test_a_context_crossing_a_bucket_and_many_rows(demo_gguf):
 def test_padded_rows_point_at_the_scratch_slot():
     table = torch.full((4, 4 + 8), -7, dtype=torch.int64)
     contexts = [torch.tensor([10, 11, 12]), torch.tensor([40])]
-    fill_inputs(table, DecodeRows([5, 6], [2, 0], contexts), scratch_slot=99)
+    fill_inputs(table, DecodeRows([5, 6], contexts), scratch_slot=99)
     assert table[0, :4].tolist() == [5, 2, 12, 3] and table[0, 4:7].tolist() == [10, 11, 12]
     assert table[1, :4].tolist() == [6, 0, 40, 1] and table[1, 4].item() == 40
     assert (table[0, 7:] == 99).all() and (table[1, 5:] == 99).all()

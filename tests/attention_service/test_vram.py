@@ -210,14 +210,20 @@ def test_every_shape_adds_kv_cache_and_workspace_with_its_sizes():
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
-def test_a_generated_qwen3_235b_file_has_the_estimated_non_expert_bytes(num_layers):
+@pytest.mark.parametrize("name, quant", [("qwen3-235b-a22b", "q4_k_m"), ("gpt-oss-120b", "mxfp4_moe"),
+                                         ("deepseek-v3", "ud_iq1_s")])
+def test_a_generated_file_of_each_shape_has_the_estimated_non_expert_bytes(name, quant, num_layers):
     """bench/make_model.py's shape, tensor by tensor as its plan writes them: loaded float32 where
-    F32 in the file (norms, router), bfloat16 otherwise; the routed experts stay off the GPU."""
-    specs = make_model.plan(make_model.SHAPES["qwen3-235b-a22b"], num_layers, "q4_k_m")
+    F32 in the file (norms, router, biases, sinks), bfloat16 otherwise; the routed experts stay
+    off the GPU. The two tables of these hyper-parameters (make_model's, vram's) must agree."""
+    shape = make_model.bench_shape(name)
+    specs = make_model.plan(shape, num_layers, quant)
     planned = sum(torch.Size(t.shape).numel() * (4 if t.ggml_type == T.F32 else 2)
                   for t in specs if "_exps." not in t.name)
-    cfg = dataclasses.replace(QWEN3_235B_A22B.cfg, num_layers=num_layers)
-    assert estimate(cfg, QWEN3_235B_A22B.spec).weights_bytes == planned
+    named = SHAPES[name]
+    cfg = dataclasses.replace(named.cfg, num_layers=num_layers,
+                              num_leading_dense_layers=min(shape.leading_dense, num_layers))
+    assert estimate(cfg, named.spec, named.tensors).weights_bytes == planned
 
 
 # ---- on a GPU --------------------------------------------------------------------------------------
