@@ -108,6 +108,7 @@ def instrument(runner, timers: Timers) -> None:
     timers.wrap(mla, "decode_attention", "attention (native)")
     timers.wrap(attention, "grouped_attention", "attention (torch)")
     timers.wrap(mla, "latent_attention", "attention (torch)")
+    timers.wrap(mla, "per_head", "MLA per-head maps")
     timers.wrap(Rope, "__call__", "rope")
     timers.wrap(KVCache, "write", "kv write")
     timers.wrap(transformer, "route", "routing (softmax, top-k)")

@@ -35,7 +35,7 @@ from splitmoe.kernels.quants import QuantTensor, dequantize, supported_types
 
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: (), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
-               T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,)}
+               T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,), T.IQ1_S: (0,)}
 
 
 def torch_dequantize(w: QuantTensor) -> torch.Tensor:

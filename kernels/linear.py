@@ -178,6 +178,33 @@ def _can_dequantize(nat, qt: QuantTensor) -> bool:
     return True
 
 
+class QuantHeads:
+    """A stack of per-head maps [H, rows, k] (MLA's attn_k_b and attn_v_b), each head applied to its own
+    slice of x [T, H, k] -> float32 [T, H, rows]. Few rows (decode) take the native int8 kernel over the
+    file's blocks, every head in the native pool: torch's batched product over the dense bfloat16 copy
+    read twice the bytes on one thread (1.1 ms a map and layer against the DeepSeek-V3 shape's 0.3).
+    Many rows (prompts) compute on the dense copy, the exact weights, as QuantLinear's GEMM route does."""
+
+    def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
+        if len(qt.shape) != 3:
+            raise ValueError(f"tensor {qt.name!r}: per-head maps must be 3-D, not {list(qt.shape)}")
+        self.qt = qt
+        self.shape = torch.Size(qt.shape)
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+        nat = native()
+        self._native = nat.HeadsMatmul(qt) if nat is not None and nat.supports(qt.ggml_type) else None
+        self.dense = dequantize(qt).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantHeads({self.qt.name!r}, {self.qt.type_name}, {list(self.shape)})"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native is not None and x.shape[0] <= SMALL_BATCH_ROWS:
+            return self._native(x)
+        return torch.einsum("thk,hrk->thr", x.to(self.dtype), self.dense).float()
+
+
 class QuantEmbedding:
     """A token embedding [vocab, hidden] kept quantized: `emb[ids]` dequantizes only those rows.
 

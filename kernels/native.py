@@ -99,6 +99,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_supports", I, [I]),
         ("smk_can_dequantize", I, [I]),
         ("smk_matmul_multi", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
+        ("smk_matmul_heads", I, [I, P, Z, Z, I, I, P, I, I, P]),
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
         ("smk_attn_front", I, [P, P, P, P, P]),
@@ -407,6 +408,35 @@ class WeightMatmul:
         if rc != 0:
             raise ValueError(f"matmul: native kernel refused tensor {self.name!r} (code {rc})")
         return out
+
+
+class HeadsMatmul:
+    """A stack of per-head maps [H, rows, k] (MLA's attn_k_b and attn_v_b), every head against its own
+    activations: x [T, H, k] -> float32 [T, H, rows]. The heads' int8 dots run in the native pool over
+    the GGUF blocks in place."""
+
+    def __init__(self, w: QuantTensor) -> None:
+        _need()
+        if not isinstance(w, QuantTensor) or len(w.shape) != 3:
+            raise ValueError(f"heads matmul: w must be a 3-D QuantTensor, got {getattr(w, 'shape', type(w).__name__)}")
+        if not supports(w.ggml_type):
+            raise ValueError(f"heads matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
+        self._data, _, self.k, self._row_bytes = _rows(w, "heads matmul")
+        self.name = w.name
+        self.heads, self.rows = int(w.shape[0]), int(w.shape[1])
+        self._type = int(w.ggml_type)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[1] != self.heads or x.shape[2] != self.k:
+            raise ValueError(f"heads matmul {self.name!r}: x must be [T, {self.heads}, {self.k}], got {list(x.shape)}")
+        T = x.shape[0]
+        xh = x.transpose(0, 1).to(torch.float32).contiguous()  # head-major: each head's rows together
+        out = torch.empty(self.heads, T, self.rows, dtype=torch.float32)
+        rc = _lib.smk_matmul_heads(self._type, _ptr(self._data), self.rows * self._row_bytes, self._row_bytes,
+                                   self.rows, self.k, xh.data_ptr(), self.heads, T, out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"heads matmul: native kernel refused tensor {self.name!r} (code {rc})")
+        return out.transpose(0, 1)
 
 
 def matmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) -> torch.Tensor:

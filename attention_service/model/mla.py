@@ -24,7 +24,7 @@ from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, softmax_scale
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels.decode_attention import decode_attention
-from splitmoe.kernels.linear import LinearWeight, QuantLinear
+from splitmoe.kernels.linear import LinearWeight, QuantHeads, QuantLinear
 from splitmoe.modelfile.gguf_file import GGUFError
 from splitmoe.modelfile.hparams import ModelConfig, RopeScaling
 
@@ -38,9 +38,9 @@ class MLAWeights:
     q: LinearWeight  # attn_q_b [H*(N+R), q_lora], or attn_q [H*(N+R), hidden] without q LoRA (V2-Lite)
     kv_a: LinearWeight  # attn_kv_a_mqa [L+R, hidden]
     kv_a_norm: torch.Tensor  # [L] float32
-    # The per-head maps are 3-D and used in batched products: dense in the model's dtype always.
-    k_b: torch.Tensor  # [H, L, N]: per head, the latent -> no-rope key map, transposed
-    v_b: torch.Tensor  # [H, V, L]: per head, the latent -> value map
+    # The per-head maps, 3-D: dense in the model's dtype, or kept quantized in the fast mode (QuantHeads).
+    k_b: torch.Tensor | QuantHeads  # [H, L, N]: per head, the latent -> no-rope key map, transposed
+    v_b: torch.Tensor | QuantHeads  # [H, V, L]: per head, the latent -> value map
     out: LinearWeight  # [hidden, H*V]
     q_a: LinearWeight | None = None  # [q_lora, hidden]
     q_a_norm: torch.Tensor | None = None  # [q_lora] float32
@@ -66,6 +66,13 @@ def latent_attention(q: torch.Tensor, ctx: torch.Tensor, q_positions: torch.Tens
         probs = torch.softmax(scores.masked_fill_(future[:, None, :], float("-inf")), dim=-1)
         torch.matmul(probs.view(-1, C), kf[:, :latent_dims], out=out[t0:t1].view(-1, latent_dims))
     return out.to(q.dtype)
+
+
+def per_head(x: torch.Tensor, maps: torch.Tensor | QuantHeads) -> torch.Tensor:
+    """x [T, H, k] through each head's own map [H, rows, k] -> [T, H, rows]."""
+    if isinstance(maps, QuantHeads):
+        return maps(x)
+    return torch.einsum("thk,hrk->thr", x.to(maps.dtype), maps)
 
 
 def _check_config(cfg: ModelConfig, file_name: str) -> None:
@@ -116,7 +123,7 @@ class MultiLatentAttention:
             else load.linear(p + "attn_q.weight", (H * K, D)),
             kv_a=load.linear(p + "attn_kv_a_mqa.weight", (L + R, D)),
             kv_a_norm=load.norm(p + "attn_kv_a_norm.weight", (L,)),
-            k_b=load(p + "attn_k_b.weight", (H, L, K - R)), v_b=load(p + "attn_v_b.weight", (H, V, L)),
+            k_b=load.heads(p + "attn_k_b.weight", (H, L, K - R)), v_b=load.heads(p + "attn_v_b.weight", (H, V, L)),
             out=load.linear(p + "attn_output.weight", (D, H * V)),
             q_a=q_a, q_a_norm=load.norm(p + "attn_q_a_norm.weight", (Q,)) if q_a is not None else None,
         )
@@ -136,24 +143,24 @@ class MultiLatentAttention:
         k_rope = self.rope(k_rope[:, None, :], batch.positions)[:, 0]
         kv.write(i, batch.new_slots, **{LATENT_ENTRY: torch.cat((latent, k_rope), dim=-1)})
         # q_nope·(W_k c) = (W_kᵀ q_nope)·c: the query moves into latent space, the cache stays small.
-        q_latent = torch.einsum("thn,hln->thl", q_nope.to(w.k_b.dtype), w.k_b)
+        q_latent = per_head(q_nope, w.k_b).to(w.k_b.dtype)
         q = torch.cat((q_latent, self.rope(q_rope, batch.positions).to(q_latent.dtype)), dim=-1)
         if batch.paged is not None:  # decode on a GPU: every row at once, shapes fixed by the table
             out = paged_latent_decode_attention(q, kv.pools(i)[LATENT_ENTRY], batch.paged.slot_table,
                                                 batch.paged.context_lens, batch.positions, self.scale,
                                                 c.kv_lora_rank)
-            return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
+            return linear(per_head(out, w.v_b).flatten(1), w.out)
         if use_native_decode(batch, kv):
             out = decode_attention(batch.attention_context, q, kv.pools(i)[LATENT_ENTRY], None, self.scale,
                                    value_dims=c.kv_lora_rank).to(q.dtype)
-            return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
+            return linear(per_head(out, w.v_b).flatten(1), w.out)
         out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             ctx = kv.read(i, s.context_slots)[LATENT_ENTRY]
             out[s.start : s.end] = latent_attention(q[s.start : s.end], ctx, batch.positions[s.start : s.end],
                                                     self.scale, c.kv_lora_rank)
         # Σ p·(W_v c) = W_v (Σ p·c): each head's value map applied once, after the attention sum.
-        return linear(torch.einsum("thl,hvl->thv", out, w.v_b).flatten(1), w.out)
+        return linear(per_head(out, w.v_b).flatten(1), w.out)
 
     def _query(self, w: MLAWeights, h: torch.Tensor) -> torch.Tensor:
         """[T, H, N+R]: through the q LoRA (down, RMSNorm, up) when the file has one."""

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from splitmoe.kernels.linear import QuantEmbedding, QuantLinear, is_block_quantized
+from splitmoe.kernels.linear import QuantEmbedding, QuantHeads, QuantLinear, is_block_quantized
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from splitmoe.modelfile.gguf_file import GGUFFile
 
@@ -64,6 +64,13 @@ class WeightLoader:
     def _linear(self, qt: QuantTensor) -> torch.Tensor | QuantLinear:
         if self.quantized and len(qt.shape) == 2 and is_block_quantized(qt.ggml_type):
             return QuantLinear(qt, self.dtype)
+        return self._dense(qt)
+
+    def heads(self, name: str, shape: Shape) -> torch.Tensor | QuantHeads:
+        """Per-head maps [H, rows, k]: a QuantHeads in the fast mode when block-quantized."""
+        qt = self.tensor(name, shape)
+        if self.quantized and is_block_quantized(qt.ggml_type):
+            return QuantHeads(qt, self.dtype)
         return self._dense(qt)
 
     def linear_optional(self, name: str, shape: Shape) -> torch.Tensor | QuantLinear | None:

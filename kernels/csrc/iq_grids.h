@@ -1116,6 +1116,15 @@ struct ByteMasks {
 };
 inline constexpr ByteMasks kByteMasks{};
 
+// The kKsigns byte of each 7-bit sign field as its byte mask, so one gather yields a group's signs.
+struct KsignMasks {
+    uint64_t m[128];
+    constexpr KsignMasks() : m() {
+        for (int i = 0; i < 128; ++i) m[i] = kByteMasks.m[kKsigns[i]];
+    }
+};
+inline constexpr KsignMasks kKsignMasks{};
+
 // g (8 magnitudes, 0 < g < 128) negated in the bytes where m is 0xff: (g ^ m) + 1 there, no carry.
 inline uint64_t iq_signed(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101010101010101ull); }
 
@@ -1203,6 +1212,17 @@ struct Iq1sTables {
     }
 };
 inline constexpr Iq1sTables kIq1s{};
+// IQ1_S's grid shifted to unsigned, g + 1 in {0, 1, 2} per byte: its dot with int8 activations needs
+// no signs, and the shift comes back through the activations' block sums (see iq_gather_tile).
+struct Iq1sUnsigned {
+    uint64_t u[2048];
+    constexpr Iq1sUnsigned() : u() {
+        for (int i = 0; i < 2048; ++i)
+            for (int j = 0; j < 8; ++j)  // bytewise: 0xff + 1 must not carry
+                u[i] |= uint64_t(uint8_t(uint8_t(kIq1sGrid[i] >> (8 * j)) + 1)) << (8 * j);
+    }
+};
+inline constexpr Iq1sUnsigned kIq1sU{};
 // IQ1_S: grid index low bytes at 2 + 4 s + c; per block a u16 at 34 + 2 s: the indices' 3 top bits
 // (bits 3c..3c+2), the scale in bits 12-14, delta's sign in bit 15 (set: -1/8).
 struct IQ1S {

@@ -412,3 +412,62 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
     }
     return 0;
 }
+
+namespace {
+// smk_matmul_heads' work list: item i is head i / per, rows [r0, r1) of it.
+struct HeadsJob {
+    DotRowsFn dot;
+    const uint8_t* w;
+    size_t head_bytes, wstride;
+    int rows, k, m, per, chunk, items;
+    const Act* acts;
+    float* out;
+    std::atomic<int> next{0};
+};
+
+void heads_job(void* p, int) {
+    auto* j = static_cast<HeadsJob*>(p);
+    for (;;) {
+        const int i = j->next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= j->items) return;
+        const int h = i / j->per, r0 = (i % j->per) * j->chunk, r1 = std::min(j->rows, r0 + j->chunk);
+        j->dot(j->w + size_t(h) * j->head_bytes, j->wstride, r0, r1, j->k, j->acts + size_t(h) * j->m, j->m,
+               j->out + size_t(h) * j->m * j->rows + r0, size_t(j->rows));
+    }
+}
+}  // namespace
+
+// Per-head maps (MLA's attn_k_b and attn_v_b): `heads` weights of `rows` rows of k values (GGML type
+// `type`, head h at w + h * head_bytes, row stride wstride), each against its own m activation rows:
+// out[h, t, r] = x[h, t] . dequantize(w[h] row r); x is [heads, m, k] and out [heads, m, rows], float32.
+// The heads' activations are quantized in one pass and the heads shared out over the pool: torch's
+// batched product over the dense copies read twice the bytes on one thread. Returns 0 or a negative code.
+SMK_API int smk_matmul_heads(int type, const uint8_t* w, size_t head_bytes, size_t wstride, int rows, int k,
+                             const float* x, int heads, int m, float* out) {
+    const Kernels& K = kernels();
+    const DotRowsFn dot = dot_for(K, type);
+    if (!dot || (type & kPackedBit)) return -1;
+    const TypeInfo ti = type_info(type);
+    if (heads < 0 || rows < 0 || m < 0 || k <= 0 || k % ti.elems || wstride < size_t(k / ti.elems) * ti.bytes ||
+        head_bytes < wstride * size_t(rows))
+        return -2;
+    if (heads == 0 || rows == 0 || m == 0) return 0;
+    const size_t rb = act_bytes(k), n = size_t(heads) * size_t(m);
+    uint8_t* buf = scratch(0, rb * n + sizeof(Act) * n);
+    if (!buf) return -3;
+    quantize_rows(x, size_t(k), int(n), k, buf);
+    Act* acts = reinterpret_cast<Act*>(buf + rb * n);
+    for (size_t t = 0; t < n; ++t) acts[t] = act_at(buf + rb * t, k);
+    HeadsJob j;
+    j.dot = dot; j.w = w; j.head_bytes = head_bytes; j.wstride = wstride; j.rows = rows; j.k = k; j.m = m;
+    j.acts = acts; j.out = out;
+    // a head a work item, split in row chunks only where there are fewer heads than ~8 per thread
+    const int nt = num_threads();
+    j.per = std::max(1, std::min(rows / 16, (nt * 8 + heads - 1) / heads));
+    j.chunk = (rows + j.per - 1) / j.per;
+    j.per = (rows + j.chunk - 1) / j.chunk;
+    j.items = heads * j.per;
+    if (nt == 1) heads_job(&j, 0);
+    else parallel(heads_job, &j);
+    return 0;
+}

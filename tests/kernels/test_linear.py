@@ -217,3 +217,24 @@ def test_a_group_with_a_dense_weight_is_each_alone(native_module):
     x = torch.randn(1, 256)
     a, b = group(x)
     assert torch.equal(a, q(x)) and torch.equal(b, linear(x, dense))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, kl.SMALL_BATCH_ROWS, kl.SMALL_BATCH_ROWS + 4])
+def test_per_head_maps_each_head_on_its_own_rows(native_module, qtype, m):
+    """QuantHeads (MLA's attn_k_b / attn_v_b): head h of x [T, H, k] through map h only; few rows within
+    the int8 kernel's rounding bound, many rows on the dense copy (model dtype bfloat16)."""
+    heads, rows, k = 5, 24, 256
+    qt = quant_tensor(qtype, heads * rows, k, seed=m)
+    maps = kl.QuantHeads(QuantTensor("maps", qt.ggml_type, (heads, rows, k), qt.data), dtype=torch.bfloat16)
+    x = torch.randn(m, heads, k, generator=torch.Generator().manual_seed(m))
+    got = maps(x)
+    assert got.shape == (m, heads, rows) and got.dtype == torch.float32
+    for h in range(heads):
+        part = QuantTensor("h", qt.ggml_type, (rows, k), qt.data[h * rows:(h + 1) * rows])
+        want, mag = exact(x[:, h], part)
+        if m <= kl.SMALL_BATCH_ROWS:
+            tol = int8_bound(x[:, h], part) * 1.01 + 1e-5 * mag + 1e-30
+        else:  # bfloat16 copy and inputs (2^-9 each), float32 sums
+            tol = 2 ** -7 * mag + 1e-30
+        assert ((got[:, h].double() - want).abs() <= tol).all(), h
