@@ -35,7 +35,7 @@ from splitmoe.kernels.quants import QuantTensor, dequantize, supported_types
 
 FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.MXFP4: (), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
-               T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,), T.IQ1_S: (0,)}
+               T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,), T.IQ1_S: (0,), T.IQ1_M: ()}
 
 
 def torch_dequantize(w: QuantTensor) -> torch.Tensor:
@@ -54,6 +54,10 @@ def random_matrix(qtype: T, n: int, k: int, rng: np.random.Generator, name: str 
         blocks[:, off:off + 2] = rng.uniform(1e-3, 2e-3, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
     if qtype == T.MXFP4:
         blocks[:, 0] = 118
+    if qtype == T.IQ1_M:  # its fp16 d lies in the top nibbles of the scale words at bytes 48-55
+        d = rng.uniform(1e-3, 2e-3, nb).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (((d >> (4 * i)) & 0xF) << 4).astype(np.uint8)
     data = blocks.reshape(n, k // elems * nbytes)
     data.flags.writeable = False
     return QuantTensor(name, int(qtype), (n, k), data)

@@ -57,7 +57,7 @@ NATIVE_MAX_TOKENS = {torch.float32: 160, torch.bfloat16: 48}
 # core (AVX-512 VNNI and BF16), a 768x2048 matrix, the crossover is 24-40 tokens with the bfloat16
 # GEMM (Q4_K, IQ4_XS: 48-64) and 96-128 with the float32 one. A layer hosting such weights caps its
 # default threshold at this.
-GRID_IQ_TYPES = frozenset(int(t) for t in (T.IQ1_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S))
+GRID_IQ_TYPES = frozenset(int(t) for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S))
 GRID_IQ_MAX_TOKENS = {torch.float32: 96, torch.bfloat16: 32}
 # Experts packed by 16 rows (kernels/csrc/repack.cpp, AVX-512) run the int8 tiles at twice the in-place
 # rate: measured on one AMD EPYC core (AVX-512 VNNI and BF16), a 768x2048 Q4_K matrix, 0.34 ms at 64

@@ -155,7 +155,7 @@ __attribute__((target("avx2"))) void dq_iq4_xs_avx2(const uint8_t* b, float* y) 
 // (float multiplication rounds symmetrically: the same bits as gguf-py's scale * grid * sign).
 template <class F>
 void dq_iq(const uint8_t* b, float* y) {
-    const float d = ld_fp16(b);
+    const float d = F::d(b);
     int8_t v[32];
     int s[2];
     for (int ib = 0; ib < 8; ++ib) {
@@ -171,7 +171,7 @@ void dq_iq(const uint8_t* b, float* y) {
 // the portable loop above, level with Q4_K's dequantization).
 template <class F>
 __attribute__((target("avx2"))) void dq_iq_avx2(const uint8_t* b, float* y) {
-    const float d = ld_fp16(b);
+    const float d = F::d(b);
     for (int ib = 0; ib < 8; ++ib) {
         int s[2];
         F::scales(b, ib, s);
@@ -230,6 +230,7 @@ BlockFn block_fn(int type) {
         case T_IQ2_S: return use_avx2() ? dq_iq_avx2<IQ2S> : dq_iq<IQ2S>;
         case T_IQ3_XXS: return use_avx2() ? dq_iq_avx2<IQ3XXS> : dq_iq<IQ3XXS>;
         case T_IQ1_S: return use_avx2() ? dq_iq_avx2<IQ1S> : dq_iq<IQ1S>;
+        case T_IQ1_M: return use_avx2() ? dq_iq_avx2<IQ1M> : dq_iq<IQ1M>;
         case T_IQ3_S: return use_avx2() ? dq_iq_avx2<IQ3S> : dq_iq<IQ3S>;
 #else
         case T_IQ2_XXS: return dq_iq<IQ2XXS>;
@@ -237,6 +238,7 @@ BlockFn block_fn(int type) {
         case T_IQ2_S: return dq_iq<IQ2S>;
         case T_IQ3_XXS: return dq_iq<IQ3XXS>;
         case T_IQ1_S: return dq_iq<IQ1S>;
+        case T_IQ1_M: return dq_iq<IQ1M>;
         case T_IQ3_S: return dq_iq<IQ3S>;
 #endif
         default: return nullptr;

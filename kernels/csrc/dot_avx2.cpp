@@ -270,7 +270,7 @@ void iq_grid_tile(const uint8_t* row, int nsb, const Act* A, float* res) {
                 sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(A[t].d + size_t(sb) * 8 + ib), sacc[t]);
             }
         }
-        const __m256 dv = _mm256_set1_ps(half(b) * F::DS);
+        const __m256 dv = _mm256_set1_ps(F::d(b) * F::DS);
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], dv, acc[t]);
     }
     for (int t = 0; t < NT; ++t) res[t] = hsum(acc[t]);
@@ -410,6 +410,7 @@ void smk::init_avx2(Kernels& K) {
     K.dot[T_IQ2_S] = rows<TIQX<IQ2S>>;
     K.dot[T_IQ3_XXS] = rows<TIQX<IQ3XXS>>;
     K.dot[T_IQ1_S] = rows<TIQX<IQ1S>>;
+    K.dot[T_IQ1_M] = rows<TIQX<IQ1M>>;
     K.dot[T_IQ3_S] = rows<TIQX<IQ3S>>;
 }
 

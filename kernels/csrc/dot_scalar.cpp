@@ -34,6 +34,7 @@ TypeInfo type_info(int type) {
         case T_IQ2_S: return {256, IQ2S::BYTES};
         case T_IQ3_XXS: return {256, IQ3XXS::BYTES};
         case T_IQ1_S: return {256, IQ1S::BYTES};
+        case T_IQ1_M: return {256, IQ1M::BYTES};
         case T_IQ3_S: return {256, IQ3S::BYTES};
         default: return {0, 0};
     }
@@ -173,7 +174,7 @@ struct DecIQ {
         iq_values<F>(p, j % 8, b.v, s);
         b.isc[0] = 2 * s[0] + 1;
         b.isc[1] = 2 * s[1] + 1;
-        b.D = ld_fp16(p) * F::DS; b.M = 0.f;
+        b.D = F::d(p) * F::DS; b.M = 0.f;
     }
 };
 template <bool Q5>
@@ -257,6 +258,7 @@ void init_scalar(Kernels& K) {
     K.dot[T_IQ2_S] = dot_rows<DecIQ<IQ2S>>;
     K.dot[T_IQ3_XXS] = dot_rows<DecIQ<IQ3XXS>>;
     K.dot[T_IQ1_S] = dot_rows<DecIQ<IQ1S>>;
+    K.dot[T_IQ1_M] = dot_rows<DecIQ<IQ1M>>;
     K.dot[T_IQ3_S] = dot_rows<DecIQ<IQ3S>>;
 }
 

@@ -1139,6 +1139,7 @@ inline uint64_t iq_signed(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101
 struct IQ2XXS {
     static constexpr int BYTES = 66;
     static constexpr float DS = 0.125f;
+    static float d(const uint8_t* b) { return ld_fp16(b); }
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.25f; }
     static uint64_t grid(const uint8_t* b, int s, int c) { return kIq2xxsGrid[b[2 + 8 * s + c]]; }
     static unsigned sign(const uint8_t* b, int s, int c) { return kKsigns[(ld_u32(b + 6 + 8 * s) >> (7 * c)) & 127]; }
@@ -1149,6 +1150,7 @@ struct IQ2XXS {
 struct IQ2XS {
     static constexpr int BYTES = 74;
     static constexpr float DS = 0.125f;
+    static float d(const uint8_t* b) { return ld_fp16(b); }
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.25f; }
     static unsigned u16(const uint8_t* b, int s, int c) { return unsigned(b[2 + 8 * s + 2 * c]) | unsigned(b[3 + 8 * s + 2 * c]) << 8; }
     static uint64_t grid(const uint8_t* b, int s, int c) { return kIq2xsGrid[u16(b, s, c) & 511]; }
@@ -1160,6 +1162,7 @@ struct IQ2XS {
 struct IQ2S {
     static constexpr int BYTES = 82;
     static constexpr float DS = 0.125f;
+    static float d(const uint8_t* b) { return ld_fp16(b); }
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.25f; }
     static uint64_t grid(const uint8_t* b, int s, int c) { return kIq2sGrid[b[2 + 4 * s + c] | ((b[66 + s] >> (2 * c)) & 3) << 8]; }
     static unsigned sign(const uint8_t* b, int s, int c) { return b[34 + 4 * s + c]; }
@@ -1170,6 +1173,7 @@ struct IQ2S {
 struct IQ3XXS {
     static constexpr int BYTES = 98;
     static constexpr float DS = 0.25f;
+    static float d(const uint8_t* b) { return ld_fp16(b); }
     static float dq(float d, int s) { return d * (0.5f + float(s)) * 0.5f; }
     static uint64_t grid(const uint8_t* b, int s, int c) {
         const uint8_t* q = b + 2 + 8 * s + 2 * c;
@@ -1183,6 +1187,7 @@ struct IQ3XXS {
 struct IQ3S {
     static constexpr int BYTES = 110;
     static constexpr float DS = 1.f;
+    static float d(const uint8_t* b) { return ld_fp16(b); }
     static float dq(float d, int s) { return d * float(1 + 2 * s); }
     static uint64_t grid(const uint8_t* b, int s, int c) {
         const uint8_t* q = b + 2 + 8 * s + 2 * c;
@@ -1228,12 +1233,33 @@ inline constexpr Iq1sUnsigned kIq1sU{};
 struct IQ1S {
     static constexpr int BYTES = 50;
     static constexpr float DS = 0.125f;
+    static float d(const uint8_t* b) { return ld_fp16(b); }
     static float dq(float d, int s) { return d * float(2 * s + 1) * 0.125f; }
     static unsigned qh(const uint8_t* b, int s) { return unsigned(b[34 + 2 * s]) | unsigned(b[35 + 2 * s]) << 8; }
     static unsigned index(const uint8_t* b, int s, int c) { return b[2 + 4 * s + c] | ((qh(b, s) >> (3 * c)) & 7) << 8; }
     static uint64_t grid(const uint8_t* b, int s, int c) { return kIq1s.mag[qh(b, s) >> 15][index(b, s, c)]; }
     static unsigned sign(const uint8_t* b, int s, int c) { return kIq1s.sign[qh(b, s) >> 15][index(b, s, c)]; }
     static void scales(const uint8_t* b, int s, int* s2) { s2[0] = s2[1] = int(qh(b, s) >> 12) & 7; }
+};
+// IQ1_M: grid index low bytes at 4 s + c; per block two bytes at 32 + 2 s, a nibble per group c
+// (byte c / 2, low nibble first): the index's 3 top bits and delta's sign (bit 3: -1/8), so delta
+// is per 8 values; 3-bit scales per 16 values (16 of them in bits 0-11 of the u16s at 48, 50, 52,
+// 54, 4 each) and the fp16 d in those u16s' top nibbles.
+struct IQ1M {
+    static constexpr int BYTES = 56;
+    static constexpr float DS = 0.125f;
+    static float d(const uint8_t* b) {
+        uint16_t h = 0;
+        for (int i = 0; i < 4; ++i) h = uint16_t(h | ((b[49 + 2 * i] >> 4) << (4 * i)));
+        return fp16_to_f32(h);
+    }
+    static float dq(float d, int s) { return d * float(2 * s + 1) * 0.125f; }
+    static unsigned nib(const uint8_t* b, int s, int c) { return (b[32 + 2 * s + c / 2] >> (4 * (c & 1))) & 15; }
+    static unsigned index(const uint8_t* b, int s, int c) { return b[4 * s + c] | (nib(b, s, c) & 7) << 8; }
+    static uint64_t grid(const uint8_t* b, int s, int c) { return kIq1s.mag[nib(b, s, c) >> 3][index(b, s, c)]; }
+    static unsigned sign(const uint8_t* b, int s, int c) { return kIq1s.sign[nib(b, s, c) >> 3][index(b, s, c)]; }
+    static unsigned scale(const uint8_t* b, int j) { return (unsigned(b[48 + 2 * (j / 4)] | b[49 + 2 * (j / 4)] << 8) >> (3 * (j % 4))) & 7; }
+    static void scales(const uint8_t* b, int s, int* s2) { s2[0] = int(scale(b, 2 * s)); s2[1] = int(scale(b, 2 * s + 1)); }
 };
 
 // The 32 values of block s as int8 (magnitude with its sign), and its two scales.

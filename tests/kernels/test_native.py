@@ -28,8 +28,8 @@ from tests.kernels.test_quants import BLOCK_TYPES, FLOAT_TYPES, FP16_FIELDS, ran
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-# The IQ types with int8 kernels (IQ1_M and the ternary ones take kernels.quants' dequantization).
-IQ_TYPES = [T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S]
+# The IQ types with int8 kernels (the ternary ones take kernels.quants' dequantization).
+IQ_TYPES = [T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
 MATMUL_TYPES = [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.MXFP4, T.Q5_K, T.Q5_0, T.Q5_1, T.Q4_1, *IQ_TYPES]
 TOL = 1e-2
 
@@ -107,7 +107,7 @@ def test_reports_isa_and_threads():
     assert native.isa() in ("avx512vnni", "avx512bw", "avx2", "scalar")
     assert native.get_num_threads() >= 1
     assert all(native.supports(int(t)) for t in MATMUL_TYPES)
-    assert not native.supports(int(T.F32)) and not native.supports(int(T.IQ1_M))
+    assert not native.supports(int(T.F32)) and not native.supports(int(T.TQ1_0))
 
 
 @pytest.mark.parametrize("qtype", MATMUL_TYPES, ids=lambda t: t.name)
@@ -224,7 +224,7 @@ def test_dequantize_expert_tensor_and_errors():
     with pytest.raises(ValueError, match="dtype"):
         native.dequantize(w[0], torch.float16)
     with pytest.raises(ValueError, match="unsupported"):
-        native.dequantize(QuantTensor("iq", int(T.IQ1_M), (1, 256), np.zeros((1, 56), np.uint8)))
+        native.dequantize(QuantTensor("tq", int(T.TQ1_0), (1, 256), np.zeros((1, 54), np.uint8)))
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
