@@ -178,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         rng = torch.Generator().manual_seed(0)
         seqs = [Sequence(s, torch.randint(cfg.vocab_size, (args.context,), generator=rng).tolist())
                 for s in range(args.streams)]
+        prefill_s = time.perf_counter()
         for seq, row in zip(seqs, runner.step(seqs)):  # the prefill
             seq.token_ids.append(sample(row))
+        prefill_s = time.perf_counter() - prefill_s
         decode_tokens(runner, seqs, 8, sample)  # warm-up
         plain_s = decode_tokens(runner, seqs, args.tokens, sample)
         timers = Timers()
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: {cfg.arch}, {cfg.num_layers} layers, {args.dtype}, threads {torch.get_num_threads()}, "
           f"context {args.context}..{args.context + 12 + 2 * n}, experts "
           f"{'over ' + args.expert_services if args.expert_services else 'in-process'}")
+    print(f"prefill of {args.streams} x {args.context} tokens: {prefill_s * 1e3:.0f} ms "
+          f"({args.streams * args.context / prefill_s:.1f} tok/s, one step, cold)")
     print(f"decode step of {args.streams} stream(s): {plain_s / n * 1e3:.2f} ms ({n * args.streams / plain_s:.1f} tok/s) "
           f"unwrapped, {step_us / 1e3:.2f} ms wrapped")
     print(f"{'what':32s} {'us/step':>9s} {'us/layer':>9s} {'calls/step':>11s} {'share':>6s}")

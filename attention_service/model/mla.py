@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from splitmoe.attention_service.model.arch_spec import ArchSpec
-from splitmoe.attention_service.model.attention import use_native_decode
+from splitmoe.attention_service.model.attention import use_native_attention
 from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.model.device_attention import paged_latent_decode_attention
 from splitmoe.attention_service.model.kv_cache import KVCache
@@ -150,7 +150,7 @@ class MultiLatentAttention:
                                                 batch.paged.context_lens, batch.positions, self.scale,
                                                 c.kv_lora_rank)
             return linear(per_head(out, w.v_b).flatten(1), w.out)
-        if use_native_decode(batch, kv):
+        if use_native_attention(kv):  # prompts too, in tiles, as the other attention kinds
             out = decode_attention(batch.attention_context, q, kv.pools(i)[LATENT_ENTRY], None, self.scale,
                                    value_dims=c.kv_lora_rank).to(q.dtype)
             return linear(per_head(out, w.v_b).flatten(1), w.out)
