@@ -79,7 +79,8 @@ def timed(fn, min_time: float, min_calls: int = 2) -> float:
     return best
 
 
-def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_baseline: bool, rows: list) -> None:
+def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_baseline: bool, rows: list,
+                 pack: bool = False) -> None:
     rng = np.random.default_rng(int(qtype))
     one = random_matrix(qtype, n, k, rng)
     count = max(2, int(mb * 2**20 // one.num_bytes))
@@ -93,13 +94,14 @@ def bench_matmul(qtype: T, ms: list[int], n: int, k: int, mb: float, torch_basel
     gemm = gemm_dtype()  # the prefill route's: dequantize to it, then one GEMM
     buf = torch.empty(n, k, dtype=gemm)
     it2 = iter(range(10**9))
+    kernels = [native.WeightMatmul(w, pack=pack) for w in mats]  # packed by 16 rows where the ISA has that
     for m in ms:
         x = torch.randn(m, k)
         out = torch.empty(m, n)
 
         def run():
-            for w in mats:
-                native.matmul(x, w, out)
+            for mm in kernels:
+                mm(x, out)
 
         s = timed(run, 0.5) / count
         xg = x.to(gemm)
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--moe-tokens", nargs="*", type=int, default=[1, 16], help="MoE layer rows; none to skip")
     p.add_argument("--moe-experts", type=int, default=32, help="experts hosted in the MoE layer")
     p.add_argument("--no-torch", action="store_true", help="skip the pure-torch baseline")
+    p.add_argument("--pack", action="store_true", help="weights packed by 16 rows where this ISA has that layout "
+                   "(as the attention side's linears and the experts are loaded)")
     a = p.parse_args(argv)
     if not native.AVAILABLE:
         raise SystemExit(f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
           f"threads; weights cycled: {a.mb:g} MB per timing; dq+mm GEMMs in {str(gemm_dtype()).removeprefix('torch.')}")
     rows: list = []
     for f in a.formats:
-        bench_matmul(T[f], a.m, a.n, a.k, a.mb, not a.no_torch, rows)
+        bench_matmul(T[f], a.m, a.n, a.k, a.mb, not a.no_torch, rows, a.pack)
     if a.moe_tokens:
         bench_moe(a.moe_tokens, a.moe_experts, not a.no_torch, rows)
     head = ("format", "shape", "m", "native us", "native GB/s", "dq+mm us", "torch us", "torch GB/s", "speedup")

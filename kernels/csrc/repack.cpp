@@ -25,14 +25,22 @@
 //   [2336, 3360) their top 2 bits: 64 bytes per register pair p (registers 2p, 2p + 1), byte 4 r + j
 //                bits 0-1 value 16p + j, 2-3 value 16p + 4 + j, 4-5 value 16p + 8 + j, 6-7 16p + 12 + j
 //   [3360, 3392) padding
-// A group's super-blocks are contiguous; groups follow each other (group stride nsb * bytes).
+// Packed Q8_0 (only where dpbusd takes unsigned bytes: AVX-512 VNNI), per group and 32-value block
+// (kQ80X16Bytes, the GGUF's 34 bytes a row exactly):
+//   [0, 32)      d     fp16 x 16 rows
+//   [32, 544)    register i (0..7) at 32 + 64 i, byte 4 r + j: value 4 i + j of row r plus 128, so
+//                unsigned; the 128 comes back as 128 times the block's activation sum (Act::s)
+// A group's blocks are contiguous; groups follow each other (group stride blocks * bytes).
 #include <cmath>
 
 #include "smk.h"
 
 namespace smk {
 
-int packed_bytes(int type) { return type == T_Q4_K ? kQ4KX16Bytes : type == T_Q6_K ? kQ6KX16Bytes : 0; }
+int packed_bytes(int type) {
+    return type == T_Q4_K ? kQ4KX16Bytes : type == T_Q6_K ? kQ6KX16Bytes : type == T_Q8_0 ? kQ80X16Bytes : 0;
+}
+int packed_unit(int type) { return type == T_Q8_0 ? 32 : 256; }
 
 namespace {
 
@@ -105,13 +113,27 @@ void repack_q6k(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out)
     }
 }
 
+void repack_q80(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out) {
+    const int nb = k / 32;
+    for (int g = 0; g < rows / kPackRows; ++g)
+        for (int b = 0; b < nb; ++b) {
+            uint8_t* o = out + (size_t(g) * nb + b) * kQ80X16Bytes;
+            for (int r = 0; r < kPackRows; ++r) {
+                const uint8_t* src = w + size_t(g * kPackRows + r) * wstride + size_t(b) * 34;
+                std::memcpy(o + 2 * r, src, 2);
+                for (int i = 0; i < 8; ++i)
+                    for (int j = 0; j < 4; ++j) o[32 + 64 * i + 4 * r + j] = uint8_t(int(int8_t(src[2 + 4 * i + j])) + 128);
+            }
+        }
+}
+
 // Portable kernels for packed weights: a lowered ISA (SPLITMOE_KERNELS_ISA, tests) must still run
 // weights packed under a better one. Same arithmetic as the SIMD kernels: int32 sums per sub-block
 // and token, scaled in float. SbDot gives row r's dot with token A over super-block sb at b.
-template <int Bytes, float (*SbDot)(const uint8_t* b, int r, const Act& A, int sb)>
+template <int Bytes, float (*SbDot)(const uint8_t* b, int r, const Act& A, int sb), int Unit = 256>
 void packed_scalar(const uint8_t* w, size_t wstride, int r0, int r1, int k, const Act* acts, int m, float* out,
                    size_t ostride) {
-    const int nsb = k / 256;
+    const int nsb = k / Unit;
     for (int g = r0 / kPackRows; g < r1 / kPackRows; ++g)
         for (int t = 0; t < m; ++t)
             for (int r = 0; r < kPackRows; ++r) {
@@ -153,11 +175,18 @@ float q6k_sb_dot(const uint8_t* b, int r, const Act& A, int sb) {
     return acc;
 }
 
+float q80_block_dot(const uint8_t* b, int r, const Act& A, int blk) {
+    int32_t isum = 0;
+    for (int v = 0; v < 32; ++v) isum += (int(b[32 + 64 * (v / 4) + 4 * r + v % 4]) - 128) * A.q[32 * blk + v];
+    return float(isum) * (ld_fp16(b + 2 * r) * A.d[blk]);
+}
+
 }  // namespace
 
 void init_packed_scalar(Kernels& K) {
     K.packed[T_Q4_K] = packed_scalar<kQ4KX16Bytes, q4k_sb_dot>;
     K.packed[T_Q6_K] = packed_scalar<kQ6KX16Bytes, q6k_sb_dot>;
+    K.packed[T_Q8_0] = packed_scalar<kQ80X16Bytes, q80_block_dot, 32>;
 }
 
 }  // namespace smk
@@ -165,11 +194,12 @@ void init_packed_scalar(Kernels& K) {
 using namespace smk;
 
 // Bytes of `type`'s [rows, k] weight packed by 16 rows, or 0 if it cannot be packed (a type with
-// no packed kernel, rows not a multiple of 16, k not whole super-blocks).
+// no packed kernel, rows not a multiple of 16, k not whole packed blocks).
 SMK_API int64_t smk_packed_size(int type, int64_t rows, int64_t k) {
     const int per = packed_bytes(type);
-    if (!per || rows <= 0 || k <= 0 || rows % kPackRows || k % 256) return 0;
-    return rows / kPackRows * (k / 256) * per;
+    const int unit = packed_unit(type);
+    if (!per || rows <= 0 || k <= 0 || rows % kPackRows || k % unit) return 0;
+    return rows / kPackRows * (k / unit) * per;
 }
 
 // Whether the ISA in use has a fast (SIMD) kernel for packed `type`: packing pays only then.
@@ -183,5 +213,6 @@ SMK_API int smk_repack(int type, const uint8_t* w, size_t wstride, int64_t rows,
     if (!smk_packed_size(type, rows, k)) return -1;
     if (type == T_Q4_K) repack_q4k(w, wstride, int(rows), int(k), out);
     if (type == T_Q6_K) repack_q6k(w, wstride, int(rows), int(k), out);
+    if (type == T_Q8_0) repack_q80(w, wstride, int(rows), int(k), out);
     return 0;
 }

@@ -379,7 +379,8 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
         if (!dot[i]) return -1;
         if (type & kPackedBit) {
             const int per = packed_bytes(type & 63);
-            if (ns[i] < 0 || ns[i] % kPackRows || k % 256 || wstrides[i] < size_t(k / 256) * per) return -2;
+            const int unit = packed_unit(type & 63);
+            if (ns[i] < 0 || ns[i] % kPackRows || k % unit || wstrides[i] < size_t(k / unit) * per) return -2;
         } else {
             TypeInfo ti = type_info(type);
             if (ns[i] < 0 || k % ti.elems || wstrides[i] < size_t(k / ti.elems) * ti.bytes) return -2;

@@ -19,7 +19,7 @@ from splitmoe.expert_service.hops import HopHandler
 from splitmoe.expert_service.shard import HostedShard
 from splitmoe.kernels import native
 from splitmoe.kernels.cpu_features import gemm_dtype
-from splitmoe.kernels.expert_kernels import NATIVE_MAX_TOKENS
+from splitmoe.kernels.expert_kernels import NATIVE_MAX_TOKENS, PACKED_MAX_TOKENS
 from splitmoe.modelfile.experts import ExpertShard
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto.shm import SHM_DIR
@@ -85,7 +85,8 @@ def test_what_the_loop_does_not_serve_goes_to_python(served):
     served_natively = int(hosted.native_hops.totals[0])
     reply, out = hop(link, 0, hidden, ids, weights)  # float32: the exact path, in Python
     assert torch.equal(out, expected(hosted.g, range(4), 0, hidden, ids, weights))
-    big = NATIVE_MAX_TOKENS[gemm_dtype()] + 1  # over the native layer's limit: prefill's route
+    # over the native layer's limit, its experts packed or not: prefill's route
+    big = max(NATIVE_MAX_TOKENS[gemm_dtype()], PACKED_MAX_TOKENS) + 1
     hidden, ids, weights = routing(big, 6)
     reply, out = hop(link, 0, hidden.bfloat16(), ids, weights)
     assert not reply.error and torch.equal(out, expected(hosted.g, range(4), 0, hidden.bfloat16(), ids, weights))

@@ -28,7 +28,7 @@ from tests.kernels.test_native import (
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-PACKABLE = [T.Q4_K, T.Q6_K]
+PACKABLE = [T.Q4_K, T.Q6_K, T.Q8_0]
 
 
 def packs_here(qtype: T) -> bool:
@@ -62,13 +62,29 @@ def test_packed_matmul_every_token_count(qtype, rows, k, lowered):
         check_matmul(mm(x), x, w, (qtype.name, native.isa(), rows, k, m))
 
 
+@pytest.mark.parametrize("k", [96, 2880])
+def test_packed_q8_0_rows_of_whole_blocks_not_super_blocks(k, lowered):
+    """Q8_0 packs by 32-value blocks: rows such as gpt-oss's 2880 (not a multiple of 256) pack too."""
+    needs_packing(T.Q8_0)
+    w = qt(T.Q8_0, (32, k), seed=k)
+    mm = native.WeightMatmul(w, pack=True)
+    assert mm.packed == (True,)
+    lowered()
+    gen = torch.Generator().manual_seed(k)
+    for m in (1, 3, 8, 13):
+        x = torch.randn(m, k, generator=gen)
+        check_matmul(mm(x), x, w, ("Q8_0", native.isa(), k, m))
+
+
 def test_packed_beside_in_place_weights_in_one_call():
     """q, k and v as the attention side fuses them: packed and unpacked rows in one work list."""
     needs_packing(T.Q4_K)
     ws = [qt(T.Q4_K, (32, 512), seed=1, name="q"), qt(T.Q4_K, (19, 512), seed=2, name="k"),
-          qt(T.Q8_0, (16, 512), seed=3, name="v"), qt(T.Q6_K, (16, 512), seed=4, name="o")]
+          qt(T.Q5_0, (16, 512), seed=3, name="v"), qt(T.Q6_K, (16, 512), seed=4, name="o"),
+          qt(T.Q8_0, (16, 512), seed=6, name="g")]
     mm = native.WeightMatmul(*ws, pack=True)
-    assert mm.packed == (True, False, False, True)  # 19 rows: not whole groups; Q8_0: no packed layout
+    # 19 rows: not whole groups; Q5_0: no packed layout; Q8_0 packed where VNNI is (unsigned bytes)
+    assert mm.packed == (True, False, False, True, packs_here(T.Q8_0))
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
     for part, w in zip(mm(x).split(mm.sizes, dim=1), ws):
         check_matmul(part, x, w, w.name)
@@ -116,7 +132,9 @@ def test_repack_refuses_what_it_cannot_pack():
     lib = native._lib
     assert lib.smk_packed_size(int(T.Q4_K), 19, 256) == 0  # rows not whole groups of 16
     assert lib.smk_packed_size(int(T.Q4_K), 16, 100) == 0
-    assert lib.smk_packed_size(int(T.Q8_0), 16, 256) == 0  # no packed layout for the type
+    assert lib.smk_packed_size(int(T.Q5_0), 16, 256) == 0  # no packed layout for the type
+    assert lib.smk_packed_size(int(T.Q8_0), 16, 96) == 16 // 16 * 3 * 544  # Q8_0: whole 32-value blocks
+    assert lib.smk_packed_size(int(T.Q8_0), 16, 100) == 0
     src = np.zeros((19, 144), dtype=np.uint8)
     out = np.zeros(4096, dtype=np.uint8)
     assert lib.smk_repack(int(T.Q4_K), src.ctypes.data, 144, 19, 256, out.ctypes.data) == -1
