@@ -30,6 +30,10 @@
 //   [0, 32)      d     fp16 x 16 rows
 //   [32, 544)    register i (0..7) at 32 + 64 i, byte 4 r + j: value 4 i + j of row r plus 128, so
 //                unsigned; the 128 comes back as 128 times the block's activation sum (Act::s)
+// Packed MXFP4, per group and 32-value block (kMxfp4X16Bytes, the GGUF's 17 bytes a row exactly):
+//   [0, 16)      the E8M0 scale byte of each row
+//   [16, 272)    register i (0..3) at 16 + 64 i, byte 4 r + j: low nibble the e2m1 code of value
+//                8 i + j, high nibble of value 8 i + 4 + j, of row r (j 0..3)
 // A group's blocks are contiguous; groups follow each other (group stride blocks * bytes).
 #include <cmath>
 
@@ -38,9 +42,15 @@
 namespace smk {
 
 int packed_bytes(int type) {
-    return type == T_Q4_K ? kQ4KX16Bytes : type == T_Q6_K ? kQ6KX16Bytes : type == T_Q8_0 ? kQ80X16Bytes : 0;
+    switch (type) {
+        case T_Q4_K: return kQ4KX16Bytes;
+        case T_Q6_K: return kQ6KX16Bytes;
+        case T_Q8_0: return kQ80X16Bytes;
+        case T_MXFP4: return kMxfp4X16Bytes;
+        default: return 0;
+    }
 }
-int packed_unit(int type) { return type == T_Q8_0 ? 32 : 256; }
+int packed_unit(int type) { return type == T_Q8_0 || type == T_MXFP4 ? 32 : 256; }
 
 namespace {
 
@@ -127,6 +137,25 @@ void repack_q80(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out)
         }
 }
 
+void repack_mxfp4(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out) {
+    const int nb = k / 32;
+    for (int g = 0; g < rows / kPackRows; ++g)
+        for (int b = 0; b < nb; ++b) {
+            uint8_t* o = out + (size_t(g) * nb + b) * kMxfp4X16Bytes;
+            for (int r = 0; r < kPackRows; ++r) {
+                const uint8_t* src = w + size_t(g * kPackRows + r) * wstride + size_t(b) * 17;
+                o[r] = src[0];
+                uint8_t code[32];  // GGUF: byte l holds value l (low nibble) and value l + 16 (high)
+                for (int l = 0; l < 16; ++l) {
+                    code[l] = src[1 + l] & 15;
+                    code[l + 16] = src[1 + l] >> 4;
+                }
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 4; ++j) o[16 + 64 * i + 4 * r + j] = uint8_t(code[8 * i + j] | code[8 * i + 4 + j] << 4);
+            }
+        }
+}
+
 // Portable kernels for packed weights: a lowered ISA (SPLITMOE_KERNELS_ISA, tests) must still run
 // weights packed under a better one. Same arithmetic as the SIMD kernels: int32 sums per sub-block
 // and token, scaled in float. SbDot gives row r's dot with token A over super-block sb at b.
@@ -181,12 +210,22 @@ float q80_block_dot(const uint8_t* b, int r, const Act& A, int blk) {
     return float(isum) * (ld_fp16(b + 2 * r) * A.d[blk]);
 }
 
+float mxfp4_block_dot(const uint8_t* b, int r, const Act& A, int blk) {
+    int32_t isum = 0;
+    for (int v = 0; v < 32; ++v) {
+        const uint8_t byte = b[16 + 64 * (v / 8) + 4 * r + v % 4];
+        isum += kMxfp4[(v % 8 < 4 ? byte : byte >> 4) & 15] * A.q[32 * blk + v];
+    }
+    return float(isum) * (e8m0_half(b[r]) * A.d[blk]);
+}
+
 }  // namespace
 
 void init_packed_scalar(Kernels& K) {
     K.packed[T_Q4_K] = packed_scalar<kQ4KX16Bytes, q4k_sb_dot>;
     K.packed[T_Q6_K] = packed_scalar<kQ6KX16Bytes, q6k_sb_dot>;
     K.packed[T_Q8_0] = packed_scalar<kQ80X16Bytes, q80_block_dot, 32>;
+    K.packed[T_MXFP4] = packed_scalar<kMxfp4X16Bytes, mxfp4_block_dot, 32>;
 }
 
 }  // namespace smk
@@ -214,5 +253,6 @@ SMK_API int smk_repack(int type, const uint8_t* w, size_t wstride, int64_t rows,
     if (type == T_Q4_K) repack_q4k(w, wstride, int(rows), int(k), out);
     if (type == T_Q6_K) repack_q6k(w, wstride, int(rows), int(k), out);
     if (type == T_Q8_0) repack_q80(w, wstride, int(rows), int(k), out);
+    if (type == T_MXFP4) repack_mxfp4(w, wstride, int(rows), int(k), out);
     return 0;
 }

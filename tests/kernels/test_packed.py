@@ -28,7 +28,7 @@ from tests.kernels.test_native import (
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
 
-PACKABLE = [T.Q4_K, T.Q6_K, T.Q8_0]
+PACKABLE = [T.Q4_K, T.Q6_K, T.Q8_0, T.MXFP4]
 
 
 def packs_here(qtype: T) -> bool:
@@ -62,18 +62,19 @@ def test_packed_matmul_every_token_count(qtype, rows, k, lowered):
         check_matmul(mm(x), x, w, (qtype.name, native.isa(), rows, k, m))
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.MXFP4], ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [96, 2880])
-def test_packed_q8_0_rows_of_whole_blocks_not_super_blocks(k, lowered):
-    """Q8_0 packs by 32-value blocks: rows such as gpt-oss's 2880 (not a multiple of 256) pack too."""
-    needs_packing(T.Q8_0)
-    w = qt(T.Q8_0, (32, k), seed=k)
+def test_packed_32_value_blocks_rows_of_whole_blocks_not_super_blocks(qtype, k, lowered):
+    """Q8_0 and MXFP4 pack by 32-value blocks: rows such as gpt-oss's 2880 (not a multiple of 256) too."""
+    needs_packing(qtype)
+    w = qt(qtype, (32, k), seed=k)
     mm = native.WeightMatmul(w, pack=True)
     assert mm.packed == (True,)
     lowered()
     gen = torch.Generator().manual_seed(k)
     for m in (1, 3, 8, 13):
         x = torch.randn(m, k, generator=gen)
-        check_matmul(mm(x), x, w, ("Q8_0", native.isa(), k, m))
+        check_matmul(mm(x), x, w, (qtype.name, native.isa(), k, m))
 
 
 def test_packed_beside_in_place_weights_in_one_call():
@@ -106,12 +107,15 @@ def test_packed_and_in_place_agree_to_float32_summation():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
 
 
-@pytest.mark.parametrize("tokens, activation, biases, down", [(1, ACT_SILU, False, T.Q4_K),
-                                                              (64, ACT_SWIGLU_OAI, True, T.Q6_K)])
-def test_moe_layer_with_packed_experts(tokens, activation, biases, down, lowered):
-    needs_packing(T.Q4_K)
+@pytest.mark.parametrize("tokens, activation, biases, up, down", [(1, ACT_SILU, False, T.Q4_K, T.Q4_K),
+                                                                  (64, ACT_SWIGLU_OAI, True, T.Q4_K, T.Q6_K),
+                                                                  (5, ACT_SWIGLU_OAI, True, T.MXFP4, T.MXFP4),
+                                                                  (9, ACT_SILU, False, T.Q8_0, T.Q8_0)])
+def test_moe_layer_with_packed_experts(tokens, activation, biases, up, down, lowered):
+    """Experts as the seeds ship them: Qwen's Q4_K/Q6_K, gpt-oss's MXFP4 (biased, clamped SwiGLU), Q8_0."""
+    needs_packing(up)
     needs_packing(down)
-    experts = make_experts(activation, biases, types=(T.Q4_K, T.Q4_K, down), seed=tokens + 7)
+    experts = make_experts(activation, biases, types=(up, up, down), seed=tokens + 7)
     layer = native.MoELayer(experts, E)
     per_expert = sum(native._lib.smk_packed_size(int(m.ggml_type), *m.shape)
                      for m in (experts[0].gate, experts[0].up, experts[0].down))
