@@ -439,7 +439,8 @@ void heads_job(void* p, int) {
 }  // namespace
 
 // Per-head maps (MLA's attn_k_b and attn_v_b): `heads` weights of `rows` rows of k values (GGML type
-// `type`, head h at w + h * head_bytes, row stride wstride), each against its own m activation rows:
+// `type`, head h at w + h * head_bytes, row stride wstride; with kPackedBit each head packed by 16 rows,
+// wstride a group's), each against its own m activation rows:
 // out[h, t, r] = x[h, t] . dequantize(w[h] row r); x is [heads, m, k] and out [heads, m, rows], float32.
 // The heads' activations are quantized in one pass and the heads shared out over the pool: torch's
 // batched product over the dense copies read twice the bytes on one thread. Returns 0 or a negative code.
@@ -447,11 +448,18 @@ SMK_API int smk_matmul_heads(int type, const uint8_t* w, size_t head_bytes, size
                              const float* x, int heads, int m, float* out) {
     const Kernels& K = kernels();
     const DotRowsFn dot = dot_for(K, type);
-    if (!dot || (type & kPackedBit)) return -1;
-    const TypeInfo ti = type_info(type);
-    if (heads < 0 || rows < 0 || m < 0 || k <= 0 || k % ti.elems || wstride < size_t(k / ti.elems) * ti.bytes ||
-        head_bytes < wstride * size_t(rows))
-        return -2;
+    if (!dot) return -1;
+    const bool packed = type & kPackedBit;
+    if (heads < 0 || rows < 0 || m < 0 || k <= 0) return -2;
+    if (packed) {  // wstride: one group of 16 rows
+        const int unit = packed_unit(type & 63);
+        if (rows % kPackRows || k % unit || wstride < size_t(k / unit) * packed_bytes(type & 63) ||
+            head_bytes < wstride * size_t(rows / kPackRows))
+            return -2;
+    } else {
+        const TypeInfo ti = type_info(type);
+        if (k % ti.elems || wstride < size_t(k / ti.elems) * ti.bytes || head_bytes < wstride * size_t(rows)) return -2;
+    }
     if (heads == 0 || rows == 0 || m == 0) return 0;
     const size_t rb = act_bytes(k), n = size_t(heads) * size_t(m);
     uint8_t* buf = scratch(0, rb * n + sizeof(Act) * n);
@@ -466,6 +474,7 @@ SMK_API int smk_matmul_heads(int type, const uint8_t* w, size_t head_bytes, size
     const int nt = num_threads();
     j.per = std::max(1, std::min(rows / 16, (nt * 8 + heads - 1) / heads));
     j.chunk = (rows + j.per - 1) / j.per;
+    if (packed) j.chunk = (j.chunk + kPackRows - 1) / kPackRows * kPackRows;  // whole groups
     j.per = (rows + j.chunk - 1) / j.chunk;
     j.items = heads * j.per;
     if (nt == 1) heads_job(&j, 0);

@@ -221,12 +221,16 @@ def test_a_group_with_a_dense_weight_is_each_alone(native_module):
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q4_K, T.IQ2_XXS], ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, kl.SMALL_BATCH_ROWS, kl.SMALL_BATCH_ROWS + 4])
-def test_per_head_maps_each_head_on_its_own_rows(native_module, qtype, m):
+@pytest.mark.parametrize("rows", [24, 32])
+def test_per_head_maps_each_head_on_its_own_rows(native_module, qtype, m, rows):
     """QuantHeads (MLA's attn_k_b / attn_v_b): head h of x [T, H, k] through map h only; few rows within
-    the int8 kernel's rounding bound, many rows on the dense copy (model dtype bfloat16)."""
-    heads, rows, k = 5, 24, 256
+    the int8 kernel's rounding bound (each head packed by 16 rows where the ISA packs the type and the
+    rows are whole groups, in place otherwise), many rows on the dense copy (model dtype bfloat16)."""
+    heads, k = 5, 256
     qt = quant_tensor(qtype, heads * rows, k, seed=m)
     maps = kl.QuantHeads(QuantTensor("maps", qt.ggml_type, (heads, rows, k), qt.data), dtype=torch.bfloat16)
+    assert maps._native.packed == (rows == 32 and bool(native_module._lib.smk_packed_fast(int(qtype)))
+                                   and native_module.repack_enabled())
     x = torch.randn(m, heads, k, generator=torch.Generator().manual_seed(m))
     got = maps(x)
     assert got.shape == (m, heads, rows) and got.dtype == torch.float32
