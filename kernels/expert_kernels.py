@@ -53,12 +53,12 @@ log = logging.getLogger("splitmoe.kernels")
 # that value is an estimate, not a measurement.
 NATIVE_MAX_TOKENS = {torch.float32: 160, torch.bfloat16: 48}
 # The 1-, 2- and 3-bit IQ formats look up a grid entry per 8 weights, which the int8 kernel pays again for
-# every tile of 8 tokens, so native dequantization + GEMM overtakes it sooner: measured on one AMD EPYC
-# Zen 5 core (AVX-512 VNNI and BF16), a 768x2048 matrix, the crossover is 36-55 tokens with the bfloat16
-# GEMM (IQ3_XXS first, IQ1_S last; Q4_K, IQ4_XS: past 64) and about 96-128 with the float32 one. A layer
-# hosting such weights caps its default threshold at this.
+# every tile of tokens (16, IQ1_S/IQ1_M 8), so native dequantization + GEMM overtakes it sooner where
+# GEMMs run in float32 (about 96-128 tokens): a layer hosting such weights caps its default threshold
+# there. With the bfloat16 GEMM the crossover is 56-64 tokens (one AMD EPYC Zen 5 core, AVX-512 VNNI and
+# BF16, a 768x2048 matrix; IQ1_S first), past the default above: no cap.
 GRID_IQ_TYPES = frozenset(int(t) for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S))
-GRID_IQ_MAX_TOKENS = {torch.float32: 96, torch.bfloat16: 40}
+GRID_IQ_MAX_TOKENS = {torch.float32: 96}
 # Experts packed by 16 rows (kernels/csrc/repack.cpp, AVX-512) run the int8 tiles at twice the in-place
 # rate: measured on one AMD EPYC core (AVX-512 VNNI and BF16), a 768x2048 Q4_K matrix, 0.34 ms at 64
 # tokens and 3.1 ms at 256 against 2.1 and 4.8 ms for native dequantization + the bfloat16 GEMM (Q6_K:

@@ -127,13 +127,13 @@ def test_matmul_every_type_and_isa(qtype, isa):
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.MXFP4, *IQ_TYPES], ids=lambda t: t.name)
 def test_matmul_every_token_tile(qtype, isa):
     """Every token count up to two full tiles and a remainder (the SIMD kernels decode a weight
-    block once for up to 8 tokens), against the exact product of the quantized activations.
-    MXFP4 and IQ4_NL rows end in a 32-value tail after two 256-value groups, as gpt-oss's 2880
-    does."""
+    block once for up to 8 tokens, 16 for the IQ grid formats), against the exact product of the
+    quantized activations. MXFP4 and IQ4_NL rows end in a 32-value tail after two 256-value groups,
+    as gpt-oss's 2880 does."""
     k = 544 if qtype in (T.MXFP4, T.IQ4_NL) else 512
     w = qt(qtype, (9, k), seed=11 + int(qtype))
     gen = torch.Generator().manual_seed(int(qtype))
-    for m in range(1, 20):
+    for m in [*range(1, 20), 31, 32, 37]:
         x = torch.randn(m, k, generator=gen)
         check_matmul(native.matmul(x, w), x, w, (qtype.name, isa, m))
 
