@@ -178,20 +178,26 @@ def _can_dequantize(nat, qt: QuantTensor) -> bool:
     return True
 
 
+def _quantized(self, qt: QuantTensor, dtype: torch.dtype, rank: int, what: str) -> None:
+    """The attributes QuantHeads and QuantEmbedding share, after checking qt's rank."""
+    if len(qt.shape) != rank:
+        raise ValueError(f"tensor {qt.name!r}: {what} must be {rank}-D, not {list(qt.shape)}")
+    self.qt = qt
+    self.shape = torch.Size(qt.shape)
+    self.dtype = dtype
+    self.device = torch.device("cpu")
+
+
 class QuantHeads:
     """A stack of per-head maps [H, rows, k] (MLA's attn_k_b and attn_v_b), each head applied to its own
-    slice of x [T, H, k] -> float32 [T, H, rows]. Few rows (decode) take the native int8 kernel over the
-    file's blocks, every head in the native pool: torch's batched product over the dense bfloat16 copy
-    read twice the bytes on one thread (1.1 ms a map and layer against the DeepSeek-V3 shape's 0.3).
-    Many rows (prompts) compute on the dense copy, the exact weights, as QuantLinear's GEMM route does."""
+    slice of x [T, H, k] -> float32 [T, H, rows]. Few rows (decode) take the native int8 kernel (each head
+    packed by 16 rows where the ISA packs the type), every head in the native pool: torch's batched
+    product over the dense bfloat16 copy read twice the bytes on one thread (2.1 ms a layer for the
+    DeepSeek-V3 shape's two maps, against 0.57). Many rows (prompts) compute on the dense copy, the exact
+    weights, as QuantLinear's GEMM route does."""
 
     def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
-        if len(qt.shape) != 3:
-            raise ValueError(f"tensor {qt.name!r}: per-head maps must be 3-D, not {list(qt.shape)}")
-        self.qt = qt
-        self.shape = torch.Size(qt.shape)
-        self.dtype = dtype
-        self.device = torch.device("cpu")
+        _quantized(self, qt, dtype, 3, "per-head maps")
         nat = native()
         self._native = nat.HeadsMatmul(qt) if nat is not None and nat.supports(qt.ggml_type) else None
         self.dense = dequantize(qt).to(dtype)
@@ -213,12 +219,7 @@ class QuantEmbedding:
     """
 
     def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
-        if len(qt.shape) != 2:
-            raise ValueError(f"tensor {qt.name!r}: an embedding must be 2-D, not {list(qt.shape)}")
-        self.qt = qt
-        self.shape = torch.Size(qt.shape)
-        self.dtype = dtype
-        self.device = torch.device("cpu")
+        _quantized(self, qt, dtype, 2, "an embedding")
         nat = native()
         self._native = nat if nat is not None and _can_dequantize(nat, qt) else None
 

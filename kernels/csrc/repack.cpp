@@ -123,37 +123,35 @@ void repack_q6k(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out)
     }
 }
 
-void repack_q80(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out) {
+// The 32-value-block layouts: `row(o, r, src)` writes row r's part of a group's block from its GGUF block.
+template <int SrcBytes, int DstBytes, class Row>
+void repack_by_block(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out, Row row) {
     const int nb = k / 32;
     for (int g = 0; g < rows / kPackRows; ++g)
-        for (int b = 0; b < nb; ++b) {
-            uint8_t* o = out + (size_t(g) * nb + b) * kQ80X16Bytes;
-            for (int r = 0; r < kPackRows; ++r) {
-                const uint8_t* src = w + size_t(g * kPackRows + r) * wstride + size_t(b) * 34;
-                std::memcpy(o + 2 * r, src, 2);
-                for (int i = 0; i < 8; ++i)
-                    for (int j = 0; j < 4; ++j) o[32 + 64 * i + 4 * r + j] = uint8_t(int(int8_t(src[2 + 4 * i + j])) + 128);
-            }
-        }
+        for (int b = 0; b < nb; ++b)
+            for (int r = 0; r < kPackRows; ++r)
+                row(out + (size_t(g) * nb + b) * DstBytes, r, w + size_t(g * kPackRows + r) * wstride + size_t(b) * SrcBytes);
+}
+
+void repack_q80(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out) {
+    repack_by_block<34, kQ80X16Bytes>(w, wstride, rows, k, out, [](uint8_t* o, int r, const uint8_t* src) {
+        std::memcpy(o + 2 * r, src, 2);
+        for (int i = 0; i < 8; ++i)
+            for (int j = 0; j < 4; ++j) o[32 + 64 * i + 4 * r + j] = uint8_t(int(int8_t(src[2 + 4 * i + j])) + 128);
+    });
 }
 
 void repack_mxfp4(const uint8_t* w, size_t wstride, int rows, int k, uint8_t* out) {
-    const int nb = k / 32;
-    for (int g = 0; g < rows / kPackRows; ++g)
-        for (int b = 0; b < nb; ++b) {
-            uint8_t* o = out + (size_t(g) * nb + b) * kMxfp4X16Bytes;
-            for (int r = 0; r < kPackRows; ++r) {
-                const uint8_t* src = w + size_t(g * kPackRows + r) * wstride + size_t(b) * 17;
-                o[r] = src[0];
-                uint8_t code[32];  // GGUF: byte l holds value l (low nibble) and value l + 16 (high)
-                for (int l = 0; l < 16; ++l) {
-                    code[l] = src[1 + l] & 15;
-                    code[l + 16] = src[1 + l] >> 4;
-                }
-                for (int i = 0; i < 4; ++i)
-                    for (int j = 0; j < 4; ++j) o[16 + 64 * i + 4 * r + j] = uint8_t(code[8 * i + j] | code[8 * i + 4 + j] << 4);
-            }
+    repack_by_block<17, kMxfp4X16Bytes>(w, wstride, rows, k, out, [](uint8_t* o, int r, const uint8_t* src) {
+        o[r] = src[0];
+        uint8_t code[32];  // GGUF: byte l holds value l (low nibble) and value l + 16 (high)
+        for (int l = 0; l < 16; ++l) {
+            code[l] = src[1 + l] & 15;
+            code[l + 16] = src[1 + l] >> 4;
         }
+        for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) o[16 + 64 * i + 4 * r + j] = uint8_t(code[8 * i + j] | code[8 * i + 4 + j] << 4);
+    });
 }
 
 // Portable kernels for packed weights: a lowered ISA (SPLITMOE_KERNELS_ISA, tests) must still run
