@@ -202,12 +202,14 @@ def test_auto_mode_rebalances_when_the_measured_imbalance_passes_its_threshold(s
                 split_tokens_min_rows=16) as backend:  # 24-row calls: dealt between replicas
         expected = backend.forward(1, hidden, ids, weights)
         deadline_s = time.monotonic() + 30
-        while min(len(backend.placement_view()[ExpertKey(1, e)]) for e in (0, 1)) < 3 and time.monotonic() < deadline_s:
+        # both layers' traffic is measured: wait until both are dealt over every service
+        while (min(len(backend.placement_view()[ExpertKey(layer, e)]) for layer in (0, 1) for e in (0, 1)) < 3
+               and time.monotonic() < deadline_s):
             for layer in (0, 1):  # all traffic on experts 0 and 1: two services busy, one idle
                 assert torch.equal(backend.forward(layer, hidden, ids, weights), expected) or layer == 0
         view = backend.placement_view()
         busiest, mean, num_calls = backend.imbalance_meter()
-    assert len(view[ExpertKey(1, 0)]) == len(view[ExpertKey(1, 1)]) == 3  # dealt over every service
+    assert all(len(view[ExpertKey(layer, e)]) == 3 for layer in (0, 1) for e in (0, 1))  # dealt over every service
     assert num_calls == 0 or busiest / mean < 1.2  # measured anew since the switch
 
 
