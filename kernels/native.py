@@ -422,33 +422,17 @@ class HeadsMatmul:
             raise ValueError(f"heads matmul: w must be a 3-D QuantTensor, got {getattr(w, 'shape', type(w).__name__)}")
         if not supports(w.ggml_type):
             raise ValueError(f"heads matmul: tensor {w.name!r}: no native matmul for {_type_name(int(w.ggml_type))}")
-        data, _, self.k, row_bytes = _rows(w, "heads matmul")
         self.name = w.name
-        self.heads, self.rows = int(w.shape[0]), int(w.shape[1])
-        self._type = int(w.ggml_type)
-        self._data, self._head_bytes, self._stride = data, self.rows * row_bytes, row_bytes
-        packed = self._pack_heads(data, row_bytes)
-        if packed is not None:  # each head by 16 rows: one packed tile where a row alone is 4-8 blocks
-            self._data, self._head_bytes, self._stride, self._type = packed
+        self.heads, self.rows, self.k = (int(d) for d in w.shape)
+        # The stack as one [H * rows, k] weight: packed by 16 rows, a group never spans two heads when
+        # rows is a multiple of 16, so head h starts h * rows / 16 groups in (where it is not, nothing packs).
+        self._weight = kernel_weight(QuantTensor(w.name, w.ggml_type, (self.heads * self.rows, self.k), w.data),
+                                     pack=self.rows % 16 == 0, what="heads matmul")
+        self._head_bytes = self._weight.stride * (self.rows // 16 if self.packed else self.rows)
 
     @property
     def packed(self) -> bool:
-        return bool(self._type & _PACKED_BIT)
-
-    def _pack_heads(self, data: np.ndarray, row_bytes: int) -> tuple[np.ndarray, int, int, int] | None:
-        t = self._type
-        if not repack_enabled() or not _lib.smk_packed_fast(t):
-            return None
-        per_head = int(_lib.smk_packed_size(t, self.rows, self.k))
-        if per_head <= 0:
-            return None
-        raw = np.empty(per_head * self.heads + 64, dtype=np.uint8)
-        buf = raw[(-_ptr(raw)) % 64:][:per_head * self.heads]
-        src = data.reshape(self.heads, self.rows * row_bytes)
-        for h in range(self.heads):
-            if _lib.smk_repack(t, _ptr(src[h]), row_bytes, self.rows, self.k, _ptr(buf) + h * per_head) != 0:
-                raise ValueError(f"repack: native kernel refused tensor {self.name!r}")
-        return buf, per_head, per_head // (self.rows // 16), t | _PACKED_BIT
+        return self._weight.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[1] != self.heads or x.shape[2] != self.k:
@@ -456,8 +440,9 @@ class HeadsMatmul:
         T = x.shape[0]
         xh = x.transpose(0, 1).to(torch.float32).contiguous()  # head-major: each head's rows together
         out = torch.empty(self.heads, T, self.rows, dtype=torch.float32)
-        rc = _lib.smk_matmul_heads(self._type, _ptr(self._data), self._head_bytes, self._stride,
-                                   self.rows, self.k, xh.data_ptr(), self.heads, T, out.data_ptr())
+        wt = self._weight
+        rc = _lib.smk_matmul_heads(wt.type_field, wt.address, self._head_bytes, wt.stride, self.rows, self.k,
+                                   xh.data_ptr(), self.heads, T, out.data_ptr())
         if rc != 0:
             raise ValueError(f"heads matmul: native kernel refused tensor {self.name!r} (code {rc})")
         return out.transpose(0, 1)

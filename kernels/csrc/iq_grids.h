@@ -1116,15 +1116,6 @@ struct ByteMasks {
 };
 inline constexpr ByteMasks kByteMasks{};
 
-// The kKsigns byte of each 7-bit sign field as its byte mask, so one gather yields a group's signs.
-struct KsignMasks {
-    uint64_t m[128];
-    constexpr KsignMasks() : m() {
-        for (int i = 0; i < 128; ++i) m[i] = kByteMasks.m[kKsigns[i]];
-    }
-};
-inline constexpr KsignMasks kKsignMasks{};
-
 // g (8 magnitudes, 0 < g < 128) negated in the bytes where m is 0xff: (g ^ m) + 1 there, no carry.
 inline uint64_t iq_signed(uint64_t g, uint64_t m) { return (g ^ m) + (m & 0x0101010101010101ull); }
 
@@ -1218,7 +1209,7 @@ struct Iq1sTables {
 };
 inline constexpr Iq1sTables kIq1s{};
 // IQ1_S's grid shifted to unsigned, g + 1 in {0, 1, 2} per byte: its dot with int8 activations needs
-// no signs, and the shift comes back through the activations' block sums (see iq_gather_tile).
+// no signs, and the shift comes back through the activations' block sums (see dot_avx512.inc's IqDecode).
 struct Iq1sUnsigned {
     uint64_t u[2048];
     constexpr Iq1sUnsigned() : u() {

@@ -361,6 +361,20 @@ void quantize_rows(const float* x, size_t xstride, int n, int k, uint8_t* rec) {
 }
 }  // namespace smk
 
+namespace {
+// Whether `rows` rows of k values of `type` (kPackedBit: packed by 16 rows, wstride a group's) fit the
+// row stride: whole blocks, whole groups, no overlap.
+bool rows_fit(int type, int rows, int k, size_t wstride) {
+    if (rows < 0 || k <= 0) return false;
+    if (type & kPackedBit) {
+        const int unit = packed_unit(type & 63);
+        return rows % kPackRows == 0 && k % unit == 0 && wstride >= size_t(k / unit) * packed_bytes(type & 63);
+    }
+    const TypeInfo ti = type_info(type);
+    return ti.elems > 0 && k % ti.elems == 0 && wstride >= size_t(k / ti.elems) * ti.bytes;
+}
+}  // namespace
+
 // For each weight i of n_w (GGML type types[i], rows ns[i] of k values at ws[i], row stride
 // wstrides[i] bytes): out[t, col_i + r] = x[t] . dequantize(row r), where col_i is the sum of the
 // earlier weights' rows and a row of `out` is ostride floats. The activations are quantized once
@@ -377,14 +391,7 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
         const int type = types[i];
         dot[i] = dot_for(K, type);
         if (!dot[i]) return -1;
-        if (type & kPackedBit) {
-            const int per = packed_bytes(type & 63);
-            const int unit = packed_unit(type & 63);
-            if (ns[i] < 0 || ns[i] % kPackRows || k % unit || wstrides[i] < size_t(k / unit) * per) return -2;
-        } else {
-            TypeInfo ti = type_info(type);
-            if (ns[i] < 0 || k % ti.elems || wstrides[i] < size_t(k / ti.elems) * ti.bytes) return -2;
-        }
+        if (!rows_fit(type, ns[i], k, wstrides[i])) return -2;
         col[i] = total;
         total += ns[i];
     }
@@ -450,16 +457,9 @@ SMK_API int smk_matmul_heads(int type, const uint8_t* w, size_t head_bytes, size
     const DotRowsFn dot = dot_for(K, type);
     if (!dot) return -1;
     const bool packed = type & kPackedBit;
-    if (heads < 0 || rows < 0 || m < 0 || k <= 0) return -2;
-    if (packed) {  // wstride: one group of 16 rows
-        const int unit = packed_unit(type & 63);
-        if (rows % kPackRows || k % unit || wstride < size_t(k / unit) * packed_bytes(type & 63) ||
-            head_bytes < wstride * size_t(rows / kPackRows))
-            return -2;
-    } else {
-        const TypeInfo ti = type_info(type);
-        if (k % ti.elems || wstride < size_t(k / ti.elems) * ti.bytes || head_bytes < wstride * size_t(rows)) return -2;
-    }
+    if (heads < 0 || m < 0 || !rows_fit(type, rows, k, wstride) ||
+        head_bytes < wstride * size_t(packed ? rows / kPackRows : rows))
+        return -2;
     if (heads == 0 || rows == 0 || m == 0) return 0;
     const size_t rb = act_bytes(k), n = size_t(heads) * size_t(m);
     uint8_t* buf = scratch(0, rb * n + sizeof(Act) * n);

@@ -148,7 +148,7 @@ constexpr int kQ6KX16Bytes = 32 + 256 + 2048 + 1024 + 32;
 constexpr int kQ80X16Bytes = 32 + 512;     // one group's 32-value block
 constexpr int kMxfp4X16Bytes = 16 + 256;  // one group's 32-value block
 int packed_unit(int type);  // values a packed block covers: 256 (k-quants), 32 (Q8_0, MXFP4)
-int packed_bytes(int type);  // a group's super-block, 0: no packed layout for the type
+int packed_bytes(int type);  // a group's packed block (packed_unit values), 0: no packed layout for the type
 // The type field of a packed weight (SmkExpert, smk_matmul_multi): its GGML type with this bit set.
 constexpr int kPackedBit = 0x100;
 
