@@ -34,6 +34,8 @@ class Measured:
     prefill_s: float          # the fastest max_tokens=1 request, prompt sent to token received
     decode_s: float           # single stream, first token to last
     decode16_s: float         # the concurrent streams, first token of any to last of all
+    # the same number of streams, all one prompt (Prompts.alike): greedy, they route alike
+    decode16_alike_tok_s: float | None = None
     sweep_tok_s: dict[int, float] = field(default_factory=dict)  # more stream counts: aggregate decode
 
 
@@ -54,6 +56,11 @@ async def measure(engine: BenchEngine, workload: Workload, prompts: Prompts,
     engine.mark(STREAMS_START)
     streams = await asyncio.gather(*(generate_timed(engine, ids, w.decode_tokens) for ids in prompts.streams))
     engine.mark(STREAMS_END)
+    alike = None
+    if prompts.alike:
+        say(f"    {w.streams} concurrent streams of one {len(prompts.alike)}-token prompt, {w.decode_tokens} tokens each")
+        alike = aggregate_decode_tok_s(list(await asyncio.gather(
+            *(generate_timed(engine, prompts.alike, w.decode_tokens) for _ in range(w.streams)))))
     sweep = {}
     for n in w.sweep:
         say(f"    {n} concurrent streams (the curve)")
@@ -63,7 +70,8 @@ async def measure(engine: BenchEngine, workload: Workload, prompts: Prompts,
         prefill_tok_s=prefill_tok_s(len(prompts.prefills[0]), prefill), ttft_s=single.ttft_s,
         decode_tok_s=decode_tok_s(single), decode16_tok_s=aggregate_decode_tok_s(list(streams)),
         prefill_s=prefill.token_s[-1] - prefill.start_s, decode_s=single.token_s[-1] - single.token_s[0],
-        decode16_s=max(s.token_s[-1] for s in streams) - min(s.token_s[0] for s in streams), sweep_tok_s=sweep)
+        decode16_s=max(s.token_s[-1] for s in streams) - min(s.token_s[0] for s in streams),
+        decode16_alike_tok_s=alike, sweep_tok_s=sweep)
 
 
 async def generate_timed(engine: BenchEngine, ids: list[int], max_tokens: int,

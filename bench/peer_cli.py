@@ -53,6 +53,9 @@ class Fork:
     key: str         # the prefix of its figures in the JSON
     variants: tuple[Variant, ...]
     note: str = ""   # what a reader of its figures should know
+    # Its batched-bench streams all decode one token, so they route alike: their figure stands
+    # beside our streams of one prompt (Prompts.alike), not beside our streams of their own prompts.
+    streams_alike: bool = False
 
 
 FORKS = {
@@ -63,7 +66,8 @@ FORKS = {
     "ik_llama.cpp": Fork("ik_llama.cpp", "ik_llamacpp", (
         Variant("-rtr 0", ("-rtr", "0")),
         Variant("-rtr 1", ("-rtr", "1"), ("-rtr",))),
-        note="its llama-batched-bench decodes token 0 in every stream (the streams route alike)"),
+        note="its llama-batched-bench decodes token 0 in every stream (the streams route alike: their figure "
+             "is set beside ours for streams of one prompt)", streams_alike=True),
 }
 
 

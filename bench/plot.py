@@ -6,7 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 ENGINES = (("services", "SplitMoE services", "tab:blue", "o"), ("inprocess", "SplitMoE in-process", "tab:green", "s"),
-           ("llamacpp", "llama.cpp", "tab:red", "^"), ("ik_llamacpp", "ik_llama.cpp", "tab:purple", "v"))
+           ("llamacpp", "llama.cpp", "tab:red", "^"),
+           ("ik_llamacpp", "ik_llama.cpp (its streams decode one token: they route alike)", "tab:purple", "v"))
+# Our streams of one prompt (Prompts.alike): one hollow point each, beside the peer's streams that route alike.
+ALIKE_POINTS = (("decode16_alike_tok_s", "SplitMoE services, streams of one prompt", "tab:blue", "o"),
+                ("inprocess_decode16_alike_tok_s", "SplitMoE in-process, streams of one prompt", "tab:green", "s"))
 
 
 def plot_decode_curve(figures: dict, path: str | Path) -> Path:
@@ -25,6 +29,11 @@ def plot_decode_curve(figures: dict, path: str | Path) -> Path:
         for n in streams:
             ax.annotate(f"{curve[n]:.0f}", (n, curve[n]), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=7, color=color)
+    streams_n = figures.get("workload", {}).get("streams")
+    for key, label, color, marker in ALIKE_POINTS:
+        if streams_n and figures.get(key):
+            ax.plot([streams_n], [figures[key]], label=label, color=color, marker=marker, markerfacecolor="none",
+                    linestyle="none", markersize=9)
     all_streams = sorted({n for c in curves.values() for n in c})
     ax.set_xscale("log", base=2)
     ax.set_xticks(all_streams, [str(n) for n in all_streams])
@@ -34,7 +43,7 @@ def plot_decode_curve(figures: dict, path: str | Path) -> Path:
     ax.set_title(f"{model}, {figures.get('threads', '?')} threads, {figures.get('cpu', '')}".rstrip(", "), fontsize=9)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

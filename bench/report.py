@@ -12,6 +12,9 @@ ROWS = (
      "ceiling_decode_tok_s", True),
     ("decode tok/s ({streams} streams, total)", "decode16_tok_s", "inprocess_decode16_tok_s",
      "llamacpp_decode16_tok_s", "ceiling_decode16_tok_s", True),
+    # streams of one prompt route alike: the row of a peer whose batched streams do (Fork.streams_alike)
+    ("decode tok/s ({streams} streams of one prompt, total)", "decode16_alike_tok_s", "inprocess_decode16_alike_tok_s",
+     "llamacpp_decode16_alike_tok_s", None, True),
     ("per-hop overhead, µs", "hop_us", None, None, None, False),
     # bench.services.step_share: 1 - the busiest expert service's compute / the phase's wall time
     ("{streams}-stream step outside the expert services, %", "outside_experts_pct", None, None, None, False),
@@ -61,6 +64,8 @@ def table(figures: dict) -> str:
     peers = peers_shown(figures)
     rows = [HEADER[:3] + tuple(c for _, name, vs in peers for c in (name, vs)) + HEADER[-2:]]
     for label, key, inproc_key, llama_key, ceiling_key, higher in ROWS:
+        if key not in figures and inproc_key not in figures:
+            continue  # a row this run did not measure (the figures of a run before it existed)
         ours = figures.get(key)
         ceiling = figures.get(ceiling_key) if ceiling_key else None
         pct = 100.0 * ours / ceiling if _positive(ours) and _positive(ceiling) else None

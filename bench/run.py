@@ -109,7 +109,8 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
     detail = {"services": asdict(m), "wall_s": wall}
     curves = {"services": _curve(m, w)}
     figures: dict = {"prefill_tok_s": m.prefill_tok_s, "decode_tok_s": m.decode_tok_s,
-                     "decode16_tok_s": m.decode16_tok_s, "ttft_s": m.ttft_s, "hop_us": services.hop_us,
+                     "decode16_tok_s": m.decode16_tok_s, "decode16_alike_tok_s": m.decode16_alike_tok_s,
+                     "ttft_s": m.ttft_s, "hop_us": services.hop_us,
                      "hop_us_method": services.hop_method,
                      "outside_experts_pct": _pct(share.outside_experts) if share else None,
                      "streams_step": _share_figures(share),
@@ -130,7 +131,8 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         detail["inprocess"] = asdict(im)
         curves["inprocess"] = _curve(im, w)
         figures |= {"inprocess_prefill_tok_s": im.prefill_tok_s, "inprocess_decode_tok_s": im.decode_tok_s,
-                    "inprocess_decode16_tok_s": im.decode16_tok_s, "inprocess_ttft_s": im.ttft_s}
+                    "inprocess_decode16_tok_s": im.decode16_tok_s,
+                    "inprocess_decode16_alike_tok_s": im.decode16_alike_tok_s, "inprocess_ttft_s": im.ttft_s}
         if inproc.touched_expert_bytes_per_step is not None:
             touched, touched_source = inproc.touched_expert_bytes_per_step, "counted in the in-process run"
     if touched is None:
@@ -142,8 +144,9 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         lap(key)
         say(_summary(base, w))
         curves[key] = _curve(base, w)
+        streams_key = "decode16_alike_tok_s" if FORKS[name].streams_alike else "decode16_tok_s"
         figures |= {f"{key}_prefill_tok_s": base.prefill_tok_s, f"{key}_decode_tok_s": base.decode_tok_s,
-                    f"{key}_decode16_tok_s": base.decode16_tok_s, f"{key}_ttft_s": base.ttft_s,
+                    f"{key}_{streams_key}": base.decode16_tok_s, f"{key}_ttft_s": base.ttft_s,
                     f"{key}_version": base.version}
         if bin_dir is not None:  # its own tools: where they came from, which flags won, what ran
             figures |= {f"{key}_bin_dir": str(bin_dir), f"{key}_flags": base.flags,
@@ -224,8 +227,10 @@ def _share_figures(share) -> dict | None:
 
 
 def _summary(m, w: Workload) -> str:
+    alike = getattr(m, "decode16_alike_tok_s", None)
     return (f"    prefill {m.prefill_tok_s:.1f} tok/s, first token {m.ttft_s:.3f} s, "
-            f"decode {m.decode_tok_s:.2f} tok/s, {w.streams} streams {m.decode16_tok_s:.2f} tok/s")
+            f"decode {m.decode_tok_s:.2f} tok/s, {w.streams} streams {m.decode16_tok_s:.2f} tok/s"
+            + (f" ({alike:.2f} of one prompt)" if alike else ""))
 
 
 def command_line(s: BenchSettings) -> str:

@@ -5,7 +5,10 @@ The workload: a warm-up prompt, `prefill_runs` prompts of `prompt_tokens` answer
 token each (prefill: the fastest counts, for every engine alike, as one run on a busy machine can
 be slowed by anything),
 the same length answered with `decode_tokens` tokens (time to first token, single-stream decode),
-then `streams` short prompts decoded together for `decode_tokens` tokens each (aggregate decode).
+then `streams` short prompts decoded together for `decode_tokens` tokens each (aggregate decode),
+then `streams` copies of one more short prompt decoded together: greedy, every stream takes the same
+tokens and routes to the same experts, as ik_llama.cpp's batched-bench streams do (they all decode
+token 0), so its figure has a like-for-like one of ours.
 Prompts are token ids drawn from the model's normal tokens with a fixed seed: random-weight models
 have no meaningful text, and ids avoid any tokenizer round trip.
 """
@@ -56,6 +59,7 @@ class Prompts:
     prefills: list[list[int]]
     single: list[int]
     streams: list[list[int]] = field(default_factory=list)
+    alike: list[int] = field(default_factory=list)  # every stream of the alike phase asks this one
 
 
 def normal_token_ids(token_types: list[int] | None, vocab_size: int) -> np.ndarray:
@@ -76,7 +80,8 @@ def make_prompts(workload: Workload, candidates: np.ndarray) -> Prompts:
 
     w = workload
     return Prompts(draw(w.prompt_tokens), [draw(w.prompt_tokens) for _ in range(w.prefill_runs)],
-                   draw(w.prompt_tokens), [draw(w.stream_prompt_tokens) for _ in range(w.streams)])
+                   draw(w.prompt_tokens), [draw(w.stream_prompt_tokens) for _ in range(w.streams)],
+                   draw(w.stream_prompt_tokens))
 
 
 # ---- figures from arrival times -----------------------------------------------------------------

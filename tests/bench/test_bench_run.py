@@ -33,8 +33,9 @@ from tests.support.processes import run_splitmoe
 
 SMALL = ["--prompt-tokens", "32", "--decode-tokens", "6", "--streams", "3", "--stream-prompt-tokens", "4",
          "--bandwidth-mb", "32"]
-HEADLINE = ("prefill_tok_s", "decode_tok_s", "decode16_tok_s", "ttft_s", "hop_us")
-IN_PROCESS = ("inprocess_prefill_tok_s", "inprocess_decode_tok_s", "inprocess_decode16_tok_s", "inprocess_ttft_s")
+HEADLINE = ("prefill_tok_s", "decode_tok_s", "decode16_tok_s", "decode16_alike_tok_s", "ttft_s", "hop_us")
+IN_PROCESS = ("inprocess_prefill_tok_s", "inprocess_decode_tok_s", "inprocess_decode16_tok_s",
+              "inprocess_decode16_alike_tok_s", "inprocess_ttft_s")
 CONTEXT = ("ceiling_decode_tok_s", "ceiling_decode16_tok_s", "bandwidth_gb_s", "expert_bytes_per_token",
            "touched_expert_bytes_per_step16")
 
@@ -72,6 +73,7 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
     assert step["outside_hops_pct"] <= step["outside_experts_pct"]
     assert figures["command"].startswith("splitmoe bench run --model ")
     assert "| decode tok/s (1 stream)" in stdout and "| per-hop overhead, µs" in stdout
+    assert "| decode tok/s (3 streams of one prompt, total)" in stdout
     assert "| 3-stream step outside the expert services, %" in stdout and "attention cpu, dtype" in stdout
     assert "splitmoe services" in stdout and "% of ceiling" in stdout
     logs = {"attention.log", *(f"expert-{i}.log" for i in range(numa_nodes()))}

@@ -11,7 +11,7 @@ OURS = {"prefill_tok_s": 900.0, "decode_tok_s": 40.0, "decode16_tok_s": 300.0, "
         "ceiling_decode_tok_s": 50.0, "ceiling_decode16_tok_s": 400.0, "workload": {"prompt_tokens": 512, "streams": 16}}
 LLAMA = {"llamacpp_prefill_tok_s": 600.0, "llamacpp_decode_tok_s": 32.0, "llamacpp_decode16_tok_s": 150.0,
          "llamacpp_ttft_s": 0.9, "llamacpp_version": "0.3.36"}
-IK = {"ik_llamacpp_prefill_tok_s": 450.0, "ik_llamacpp_decode_tok_s": 40.0, "ik_llamacpp_decode16_tok_s": 200.0,
+IK = {"ik_llamacpp_prefill_tok_s": 450.0, "ik_llamacpp_decode_tok_s": 40.0, "ik_llamacpp_decode16_alike_tok_s": 200.0,
       "ik_llamacpp_ttft_s": 512 / 450.0, "ik_llamacpp_version": "abc1234 (4321)",
       "ik_llamacpp_bin_dir": "/peers/ik/build/bin", "ik_llamacpp_sweep_tok_s": {},
       "ik_llamacpp_flags": {"prefill_tok_s": "-rtr 1", "decode_tok_s": "-rtr 0", "decode16_tok_s": "-rtr 1",
@@ -49,7 +49,7 @@ def test_with_llama_cpp_alone_the_table_and_context_are_as_before():
 
 
 def test_with_both_peers_the_table_has_an_ik_column_and_its_ratios():
-    figures = {**OURS, **LLAMA, **IK, **CONTEXT}
+    figures = {**OURS, **LLAMA, **IK, **CONTEXT, "decode16_alike_tok_s": 300.0, "inprocess_decode16_alike_tok_s": 340.0}
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table(figures).splitlines()]
     assert rows[0] == ["metric", "splitmoe services", "in-process", "llama.cpp", "vs llama.cpp", "ik_llama.cpp", "vs ik",
                        "ceiling", "% of ceiling"]
@@ -57,13 +57,17 @@ def test_with_both_peers_the_table_has_an_ik_column_and_its_ratios():
     assert by_metric["prefill tok/s (512-token prompt)"] == ["900", "950", "600", "1.50×", "450", "2.00×", "", ""]
     assert by_metric["time to first token, s"][5] == "1.90×"  # ik's 1.138 s / our 0.6 s
     assert by_metric["decode tok/s (1 stream)"] == ["40.0", "45.0", "32.0", "1.25×", "40.0", "1.00×", "50.0", "80%"]
-    assert by_metric["decode tok/s (16 streams, total)"][4:6] == ["200", "1.50×"]
+    # ik's streams route alike: its figure stands beside ours for streams of one prompt, not of their own
+    assert by_metric["decode tok/s (16 streams, total)"][2:6] == ["150", "2.00×", "-", "-"]
+    assert by_metric["decode tok/s (16 streams of one prompt, total)"] == ["300", "340", "-", "-", "200", "1.50×",
+                                                                          "", ""]
     assert by_metric["per-hop overhead, µs"] == ["25.0", "", "", "", "", "", "", ""]
 
     add_ratios(figures)
     vs_ik = figures["vs_ik_llamacpp"]
     assert vs_ik["decode_tok_s"] == 1.0 and vs_ik["inprocess_decode_tok_s"] == pytest.approx(1.125)
-    assert vs_ik["decode16_tok_s"] == 1.5 and vs_ik["prefill_tok_s"] == 2.0
+    assert vs_ik["decode16_alike_tok_s"] == 1.5 and vs_ik["prefill_tok_s"] == 2.0
+    assert vs_ik["inprocess_decode16_alike_tok_s"] == pytest.approx(1.7) and "decode16_tok_s" not in vs_ik
     assert figures["vs_llamacpp"]["decode_tok_s"] == 1.25
 
     lines = context_lines(figures)
