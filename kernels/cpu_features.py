@@ -86,6 +86,14 @@ def describe() -> str:
     except Exception as e:  # noqa: BLE001 - a report, not a check
         isa = f"unavailable ({e})"
     lines.append(f"native kernels isa: {isa}")
+    try:
+        from splitmoe.kernels import tuning
+
+        chosen = tuning.cached_choices() if native.AVAILABLE else {}
+    except Exception as e:  # noqa: BLE001 - a report, not a check
+        chosen = {"?": str(e)}
+    lines.append("kernels chosen by calibration (kernels.tuning): "
+                 + (", ".join(f"{t} {label}" for t, label in sorted(chosen.items())) or "none yet"))
     lines.append(f"prefill gemm dtype: {str(gemm_dtype()).removeprefix('torch.')}")
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from splitmoe.kernels import tuning
 from splitmoe.kernels.quants import QuantTensor
 from splitmoe.kernels.torch_threads import configured_threads
 
@@ -92,6 +93,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_isa", ctypes.c_char_p, []),
         ("smk_best_isa", ctypes.c_char_p, []),
         ("smk_set_isa", I, [ctypes.c_char_p]),
+        ("smk_set_type_choice", I, [I, ctypes.c_char_p, I]),
+        ("smk_isa_kernel", P, [ctypes.c_char_p, I, I]),
         ("smk_set_num_threads", None, [I]),
         ("smk_get_num_threads", I, []),
         ("smk_park", None, []),
@@ -128,8 +131,10 @@ def isa() -> str:
 
 
 def _set_isa(name: str) -> None:
-    """Lower the instruction set for this process (tests and benchmarks compare code paths)."""
+    """Lower the instruction set for this process (tests and benchmarks compare code paths): its own
+    kernels for every type from then on, no calibration (kernels.tuning)."""
     _need()
+    tuning.disable()
     if _lib.smk_set_isa(name.encode()) != 0:
         raise ValueError(f"ISA {name!r} is unknown or not supported by this CPU (best: {_best_isa()})")
 
@@ -316,11 +321,15 @@ class KernelWeight:
         return _ptr(self.data)
 
 
-def kernel_weight(w: QuantTensor, pack: bool, what: str = "matmul", release_file: bool = False) -> KernelWeight:
+def kernel_weight(w: QuantTensor, pack: bool, what: str = "matmul", release_file: bool = False,
+                  tune: bool = True) -> KernelWeight:
     """w for the kernels; `pack`: packed where that pays (see `repack_enabled`), at the cost of this
     process holding the copy; `release_file`: the caller reads w only through the packed copy, so the
-    mapped file's pages are released (the attention side's prompts still read its linears' blocks)."""
+    mapped file's pages are released (the attention side's prompts still read its linears' blocks).
+    The first weight of each type settles which of the CPU's kernels runs that type (kernels.tuning)."""
     data, n, k, row_bytes = _rows(w, what)
+    if tune:
+        tuning.ensure(w)
     packed = _packed(w, data, n, k, row_bytes) if pack else None
     if packed is not None:
         if release_file:

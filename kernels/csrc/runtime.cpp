@@ -46,6 +46,14 @@ Kernels g_tables[4];
 int g_best = -1;
 std::atomic<int> g_isa{-1};
 std::once_flag g_init_once;
+// Per-type choices made by the calibration at load (kernels/tuning.py): a type's kernels from a
+// lower ISA's table, or its weights left in place where the packed kernel measured slower. The
+// table in use is then g_mixed: the ISA's own, with those entries swapped. Set while a process
+// loads its weights, before any product runs on them.
+struct TypeChoice { int isa = -1; bool pack = true; };
+TypeChoice g_choice[64];
+Kernels g_mixed;
+std::atomic<bool> g_use_mixed{false};
 
 void init_tables() {
     g_best = detect_isa();
@@ -75,8 +83,39 @@ void init_tables() {
 
 const Kernels& kernels() {
     std::call_once(g_init_once, init_tables);
+    if (g_use_mixed.load(std::memory_order_relaxed)) return g_mixed;
     return g_tables[g_isa.load(std::memory_order_relaxed)];
 }
+
+namespace {
+
+int isa_index(const char* name) {
+    for (int i = 0; i < 4; ++i)
+        if (name && !std::strcmp(name, kIsaNames[i])) return i;
+    return -1;
+}
+
+void rebuild_mixed() {
+    const int base = g_isa.load();
+    bool any = false;
+    g_mixed = g_tables[base];
+    for (int t = 0; t < 64; ++t) {
+        const TypeChoice& c = g_choice[t];
+        if (c.isa >= 0 && c.isa != base) {
+            g_mixed.dot[t] = g_tables[c.isa].dot[t];
+            g_mixed.packed[t] = g_tables[c.isa].packed[t];
+            g_mixed.packed_fast[t] = g_tables[c.isa].packed_fast[t];
+            any = true;
+        }
+        if (!c.pack && g_mixed.packed_fast[t]) {
+            g_mixed.packed_fast[t] = false;
+            any = true;
+        }
+    }
+    g_use_mixed.store(any);
+}
+
+}  // namespace
 
 // ---- thread pool ----------------------------------------------------------------------------
 namespace {
@@ -247,9 +286,36 @@ SMK_API int smk_set_isa(const char* name) {
         if (!std::strcmp(name, kIsaNames[i])) {
             if (i > g_best) return -1;
             g_isa.store(i);
+            for (TypeChoice& c : g_choice) c = TypeChoice();  // a chosen ISA means its own kernels
+            rebuild_mixed();
             return 0;
         }
     return -1;
+}
+
+// The calibration's choice for one type: the ISA whose kernels it runs (null or "": the table's
+// own), and whether its weights are packed where that ISA packs them. Returns 0, or -1 for a type
+// out of range or an ISA above the one in use.
+SMK_API int smk_set_type_choice(int type, const char* isa, int pack) {
+    kernels();
+    if (type < 0 || type >= 64) return -1;
+    const int i = (isa && *isa) ? isa_index(isa) : -1;
+    if ((isa && *isa) && (i < 0 || i > g_isa.load())) return -1;
+    g_choice[type].isa = i;
+    g_choice[type].pack = pack != 0;
+    rebuild_mixed();
+    return 0;
+}
+
+// One ISA's kernel for a type (packed: its packed-weight kernel, only where packing pays there),
+// as an address: the calibration tries only the ISAs whose kernel differs. 0: none.
+SMK_API const void* smk_isa_kernel(const char* isa, int type, int packed) {
+    kernels();
+    const int i = isa_index(isa);
+    if (i < 0 || i > g_best || type < 0 || type >= 64) return nullptr;
+    const Kernels& K = g_tables[i];
+    if (packed) return K.packed_fast[type] ? reinterpret_cast<const void*>(K.packed[type]) : nullptr;
+    return reinterpret_cast<const void*>(K.dot[type]);
 }
 
 SMK_API const char* smk_best_isa() {

@@ -37,6 +37,17 @@ def repack_cache_dir() -> Path:
     return cache_dir() / "int4pack"
 
 
+def kernel_tuning_path() -> Path:
+    """Where the native kernels' calibration is kept, per CPU model and library build (kernels.tuning)."""
+    return cache_dir() / "kernel-tuning.json"
+
+
+def kernel_tuning_enabled() -> bool:
+    """SPLITMOE_KERNELS_TUNE=0 turns the calibration off (every type then runs the ISA's own kernels,
+    packed where they pack); a forced SPLITMOE_KERNELS_ISA means exactly that ISA's kernels too."""
+    return os.environ.get("SPLITMOE_KERNELS_TUNE", "1") != "0" and not os.environ.get("SPLITMOE_KERNELS_ISA")
+
+
 def log_level() -> str:
     return os.environ.get("SPLITMOE_LOG_LEVEL", "INFO").upper()
 
