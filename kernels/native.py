@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType as T
 from splitmoe.kernels import tuning
 from splitmoe.kernels.quants import QuantTensor
 from splitmoe.kernels.torch_threads import configured_threads
+from splitmoe.runtime import settings
 
 log = logging.getLogger("splitmoe.kernels")
 
@@ -73,6 +74,7 @@ def _load() -> None:
             AVAILABLE = True
             _native_types = frozenset(t for t in range(64) if lib.smk_supports(t))
             _lib.smk_set_num_threads(max(1, configured_threads()))
+            _lib.smk_set_awake_ms(settings.awake_ms())
             return
     log.warning("native kernels unavailable, using the pure-torch fallback: %s", UNAVAILABLE_REASON)
 
@@ -98,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_set_num_threads", None, [I]),
         ("smk_get_num_threads", I, []),
         ("smk_park", None, []),
+        ("smk_set_awake_ms", None, [I]),
+        ("smk_get_awake_ms", I, []),
         ("smk_pin_workers", None, [P, I]),
         ("smk_supports", I, [I]),
         ("smk_can_dequantize", I, [I]),
@@ -155,6 +159,18 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     _need()
     return int(_lib.smk_get_num_threads())
+
+
+def set_awake_ms(ms: int) -> None:
+    """How long after its last job the pool keeps its CPUs from halting (idle-priority spinners,
+    csrc/runtime.cpp `Awake`); 0 turns them off. Default: settings.awake_ms()."""
+    _need()
+    _lib.smk_set_awake_ms(max(0, int(ms)))
+
+
+def get_awake_ms() -> int:
+    _need()
+    return int(_lib.smk_get_awake_ms())
 
 
 def park() -> None:

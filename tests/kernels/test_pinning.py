@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from splitmoe.runtime import settings
 from tests.support.processes import REPO
 
 CHILD = """
@@ -18,9 +19,11 @@ from gguf import quants as gq
 from splitmoe.kernels import native
 from splitmoe.kernels.quants import QuantTensor
 
-def affinities():
+def affinities(idle=False):  # the compute threads' CPU lists, or (idle) the keep-awake spinners
     out = {}
     for tid in os.listdir("/proc/self/task"):
+        if (os.sched_getscheduler(int(tid)) == os.SCHED_IDLE) != idle:
+            continue
         with open(f"/proc/self/task/{tid}/status") as f:
             out[int(tid)] = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
     return out
@@ -39,6 +42,7 @@ def caller():
     torch.randn(512, 512) @ torch.randn(512, 512)
     native.matmul(torch.randn(4, 256), w)  # the native pool's worker, made now
     result["new"] = {tid: a for tid, a in affinities().items() if tid not in before}
+    result["spinners"] = sorted(affinities(idle=True).values())
 
 t = threading.Thread(target=caller)
 t.start()
@@ -57,3 +61,5 @@ def test_workers_and_caller_are_pinned_in_plan_order():
     new = list(got["new"].values())
     assert new.count(str(first)) == 1, got  # the pool's worker, on the plan's second CPU
     assert len(new) >= 2 and str(second) not in new, got  # OpenMP's threads did not inherit the caller's pin
+    if settings.awake_ms():  # the keep-awake spinners: one on each CPU of the plan
+        assert got["spinners"] == sorted([str(first), str(second)]), got
