@@ -30,10 +30,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from splitmoe.kernels import kernel_settings as settings
 from splitmoe.kernels import tuning
 from splitmoe.kernels.quants import QuantTensor
 from splitmoe.kernels.torch_threads import configured_threads
-from splitmoe.runtime import settings
 
 log = logging.getLogger("splitmoe.kernels")
 

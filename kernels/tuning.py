@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from splitmoe.kernels import kernel_settings as settings
 from splitmoe.kernels.quants import QuantTensor
-from splitmoe.runtime import settings
 
 log = logging.getLogger("splitmoe.kernels")
 

@@ -37,37 +37,6 @@ def repack_cache_dir() -> Path:
     return cache_dir() / "int4pack"
 
 
-def kernel_tuning_path() -> Path:
-    """Where the native kernels' calibration is kept, per CPU model and library build (kernels.tuning)."""
-    return cache_dir() / "kernel-tuning.json"
-
-
-def kernel_tuning_enabled() -> bool:
-    """SPLITMOE_KERNELS_TUNE=0 turns the calibration off (every type then runs the ISA's own kernels,
-    packed where they pack); a forced SPLITMOE_KERNELS_ISA means exactly that ISA's kernels too."""
-    return os.environ.get("SPLITMOE_KERNELS_TUNE", "1") != "0" and not os.environ.get("SPLITMOE_KERNELS_ISA")
-
-
-AWAKE_MS_ENV = "SPLITMOE_AWAKE_MS"
-AWAKE_MS_DEFAULT = 20
-
-
-def awake_ms() -> int:
-    """How long after its last job the native pool keeps its CPUs from halting, with one spinner of
-    idle priority per CPU (kernels/csrc/runtime.cpp, Awake): a halted vCPU takes ~150 µs to wake on
-    a VM without halt polling. SPLITMOE_AWAKE_MS=0 turns it off."""
-    value = os.environ.get(AWAKE_MS_ENV, "").strip()
-    if not value:
-        return AWAKE_MS_DEFAULT
-    try:
-        ms = int(value)
-    except ValueError:
-        raise ValueError(f"{AWAKE_MS_ENV}={value!r}: want a whole number of milliseconds") from None
-    if ms < 0:
-        raise ValueError(f"{AWAKE_MS_ENV}={value!r}: want >= 0")
-    return ms
-
-
 def log_level() -> str:
     return os.environ.get("SPLITMOE_LOG_LEVEL", "INFO").upper()
 

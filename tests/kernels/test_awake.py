@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from splitmoe.kernels import kernel_settings as settings
 from splitmoe.kernels import native
-from splitmoe.runtime import settings
 
 pytestmark = [
     pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels unavailable: {native.UNAVAILABLE_REASON}"),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from splitmoe.runtime import settings
+from splitmoe.kernels import kernel_settings as settings
 from tests.support.processes import REPO
 
 CHILD = """
