@@ -36,7 +36,7 @@ RUN apt-get update \
     && pip install . \
     && apt-get purge -y --auto-remove g++ \
     && rm -rf /var/lib/apt/lists/* /opt/splitmoe/src \
-    && cd / && python -c "import kernels.native as n; assert n.AVAILABLE, n.UNAVAILABLE_REASON; print('native kernels:', n.isa())"
+    && cd / && python -c "import splitmoe.kernels.native as n; assert n.AVAILABLE, n.UNAVAILABLE_REASON; print('native kernels:', n.isa())"
 
 # The trained demo model the package ships, at a path every container of the stack opens the very
 # same file from (the services compare the file's identity: name and size). compose.yaml's MODEL

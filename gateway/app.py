@@ -38,7 +38,6 @@ from splitmoe.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     StatusCountMiddleware,
-    has_api_key,
 )
 from splitmoe.gateway.openai_types import (
     ChatCompletionRequest,
@@ -109,13 +108,7 @@ async def version() -> Response:
 @router.get("/health")
 async def health(raw: Request) -> Response:
     ops: OpsHandler = raw.app.state.ops
-    return to_response(await ops.health(name_services=may_read_metrics(raw)))
-
-
-def may_read_metrics(raw: Request) -> bool:
-    """/metrics names the expert services' addresses; /health may too, to whoever may read it."""
-    settings: GatewaySettings = raw.app.state.settings
-    return not settings.api_key or settings.public_metrics or has_api_key(raw.scope, settings.api_key.encode())
+    return to_response(await ops.health())
 
 
 @router.get("/metrics")

@@ -281,3 +281,18 @@ def test_healthcheck_over_http_wants_200():
 
 def test_attention_serves_the_fast_path_by_default(compose):
     assert parse_cli(compose["services"]["attention"]["command"]).dtype == "bfloat16"
+
+
+def test_dockerfile_checks_import_what_pip_installs(dockerfile):
+    """Its build-time checks run outside the source tree (`cd /`), where only the installed
+    `splitmoe` package is: every module they import must be importable as the install names it."""
+    import importlib.util
+
+    snippets = re.findall(r'python -c "([^"]*)"', dockerfile)
+    modules = [m for code in snippets for m in re.findall(r"(?:^|;)\s*(?:import|from) ([\w.]+)", code)]
+    ours = [m for m in modules if m.split(".")[0] in ("splitmoe", "kernels", "attention_service", "expert_service",
+                                                       "gateway", "modelfile", "proto", "bench")]
+    assert ours, f"the Dockerfile's checks import none of ours: {modules}"
+    for module in ours:
+        assert module.startswith("splitmoe."), f"{module}: only `splitmoe` is installed into site-packages"
+        assert importlib.util.find_spec(module) is not None, module

@@ -8,11 +8,14 @@ host cannot hold a probe, nor be blamed on the attention service.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from splitmoe.gateway.attention_client import AttentionError
 from splitmoe.gateway.attention_types import AttentionStats, HopStats
 from splitmoe.gateway.handlers.base import Handler
 from splitmoe.gateway.openai_types import ErrorResponse, error_response
+
+log = logging.getLogger("splitmoe.gateway")
 
 
 class OpsHandler(Handler):
@@ -22,10 +25,11 @@ class OpsHandler(Handler):
     def __init__(self, *args, timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.timeout_s = timeout_s  # GatewaySettings.health_timeout_s
+        self._logged_down = ""  # the unhealthy services last logged: each change is logged once
 
-    async def health(self, name_services: bool = False) -> ErrorResponse | dict:
-        """`name_services`: the caller may read /metrics, so the body may name the expert
-        services at fault (their addresses are internal)."""
+    async def health(self) -> ErrorResponse | dict:
+        """Says how many expert services are down, never which: their addresses are internal. The
+        log names them (when that changes), and /metrics, behind the API key, labels them."""
         try:
             async with asyncio.timeout(self.timeout_s):
                 info = await self.model.info()
@@ -38,13 +42,22 @@ class OpsHandler(Handler):
         except AttentionError as e:  # not logged: probes come every few seconds
             return error_response(503, f"attention service unavailable: {e.message}", code="unavailable")
         down = [hop for hop in stats.hops if not hop.healthy]
+        self._log_change(down)
         if not down:
             return {"status": "ok"}
         summary = f"{len(down)} of {len(stats.hops)} expert services unhealthy"
-        which = f": {describe(down)}" if name_services else ""
         if stats.uncovered_layers:
-            return error_response(503, f"{summary}{which}", code="expert_unhealthy")
-        return {"status": "degraded", "message": f"{summary}, replicas serve their experts{which}"}
+            return error_response(503, summary, code="expert_unhealthy")
+        return {"status": "degraded", "message": f"{summary}, replicas serve their experts"}
+
+    def _log_change(self, down: list[HopStats]) -> None:
+        which = describe(down)
+        if which != self._logged_down:
+            self._logged_down = which
+            if which:
+                log.warning("expert services unhealthy: %s", which)
+            else:
+                log.info("every expert service healthy again")
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render(await self._stats())
