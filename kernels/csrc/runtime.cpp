@@ -451,8 +451,10 @@ SMK_API void smk_set_awake_ms(int ms) {
 SMK_API int smk_get_awake_ms() { return g_awake_ms.load(); }
 
 // A process that parks hands its cores to another one at every hop (the services): its CPUs are
-// that one's then, and its spinners stop for good (measured here: even at idle priority they cut
-// decode through the services from 115 to 92 tok/s; see Awake).
+// that one's then, and its spinners stop for good. Idle priority is idle only within the process's
+// scheduling group (autogroup: a session; or a container's cgroup), and each service has its own:
+// against the other service a spinner competes at full weight (measured here: decode through the
+// services 115 -> 92 tok/s, and a hop as long as the spinning window).
 SMK_API void smk_park() {
     g_park_epoch.fetch_add(1, std::memory_order_relaxed);
     if (g_awake_ms.load(std::memory_order_relaxed)) g_awake_ms.store(0, std::memory_order_relaxed);
