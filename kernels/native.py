@@ -161,14 +161,9 @@ def get_num_threads() -> int:
     return int(_lib.smk_get_num_threads())
 
 
-def set_awake_ms(ms: int) -> None:
-    """How long after its last job the pool keeps its CPUs from halting (idle-priority spinners,
-    csrc/runtime.cpp `Awake`); 0 turns them off. Default: settings.awake_ms()."""
-    _need()
-    _lib.smk_set_awake_ms(max(0, int(ms)))
-
-
 def get_awake_ms() -> int:
+    """How long after its last job the pool keeps its CPUs from halting (csrc/runtime.cpp `Awake`;
+    SPLITMOE_AWAKE_MS, 0 once the process parked)."""
     _need()
     return int(_lib.smk_get_awake_ms())
 

@@ -118,7 +118,7 @@ def ensure(w: QuantTensor) -> None:
         if t in _choices or _off:
             return
         choice = _from_cache(t) or _measure(w)
-        _apply(t, choice)
+        _set(t, choice.isa, choice.pack)
         _choices[t] = choice
     if choice.source == "measured":
         log.info("kernels for %s: %s (%s)", choice.type_name, choice.label,
@@ -212,10 +212,6 @@ def _set(t: int, isa: str, pack: bool) -> None:
 
     if native._lib.smk_set_type_choice(t, isa.encode(), int(pack)) != 0:
         raise RuntimeError(f"kernel calibration: {isa} cannot run here")
-
-
-def _apply(t: int, choice: Choice) -> None:
-    _set(t, choice.isa, choice.pack)
 
 
 # ---- the cache ------------------------------------------------------------------------------------

@@ -146,14 +146,13 @@ void pin_thread(std::thread& t, int cpu) {
 // ---- keeping the CPUs awake between jobs ------------------------------------------------------
 // On a virtual machine whose idle vCPUs halt at once (no halt polling: Firecracker's default, and
 // this project's test machines), waking a thread on a halted vCPU costs the host's reschedule of
-// that vCPU: a parked worker took ~150 µs to join a job here, against ~10 µs on a vCPU that is
-// running something. Where processes take turns on the same cores (the attention side and its
-// expert services, parking their workers at every hop) that cost comes at every hop and every
-// layer. So, for g_awake_ms after the last job, one thread per CPU of the pool spins in the idle
-// scheduling class (SCHED_IDLE): it runs only when nothing else wants that CPU (any other thread
-// preempts it at once), keeps the vCPU from halting, and computes nothing. After g_awake_ms
-// without a job it sleeps too. Measured: a 4096x2048 GEMV on 2 threads after a 2 ms pause, 195 µs
-// with halting vCPUs, 57 with them kept awake (40 back to back).
+// that vCPU: a sleeping worker took ~150 µs to join a job here, against ~10 µs on a vCPU that is
+// running something. So, for g_awake_ms after the last job, one thread per CPU of the pool spins in
+// the idle scheduling class (SCHED_IDLE): it runs only when nothing else of its scheduling group
+// wants that CPU, keeps the vCPU from halting, and computes nothing; after g_awake_ms without a job
+// it sleeps too. Measured: a 4096x2048 GEMV on 2 threads after a 2 ms pause, 195 µs with halting
+// vCPUs, 57 with them kept awake (40 back to back); in-process prefill +7%. A process that hands its
+// cores to another (the services) stops them: see smk_park.
 std::atomic<int> g_awake_ms{20};
 std::atomic<int64_t> g_last_job_ns{0};
 
@@ -167,7 +166,6 @@ struct Awake {
     explicit Awake(const std::vector<int>& cpus) {
         for (int cpu : cpus) {
             std::thread t([this] { loop(); });
-#ifdef SCHED_IDLE
             sched_param param{};
             if (pthread_setschedparam(t.native_handle(), SCHED_IDLE, &param) != 0) {
                 { std::lock_guard<std::mutex> lk(mu); stop = true; }  // never a spinner at normal priority
@@ -175,7 +173,6 @@ struct Awake {
                 t.join();
                 break;
             }
-#endif
             // On its pool thread's CPU; unpinned pools: anywhere the process may run (not only where
             // the thread that made the pool happens to be pinned).
             cpu_set_t set;
@@ -203,9 +200,6 @@ struct Awake {
         }
     }
     void loop() {
-#ifndef SCHED_IDLE
-        return;
-#endif
         uint64_t seen = 0;
         auto window_ns = [] { return int64_t(g_awake_ms.load(std::memory_order_relaxed)) * 1000000; };
         for (;;) {
@@ -440,7 +434,6 @@ SMK_API void smk_set_num_threads(int n) {
 
 SMK_API int smk_get_num_threads() { return num_threads(); }
 
-// The pool's idle workers stop spinning and sleep until the next job (see g_park_epoch).
 // How long after its last job the pool keeps its CPUs from halting (see Awake); 0: never.
 SMK_API void smk_set_awake_ms(int ms) {
     std::lock_guard<std::mutex> lk(g_pool_mu);
@@ -450,6 +443,7 @@ SMK_API void smk_set_awake_ms(int ms) {
 
 SMK_API int smk_get_awake_ms() { return g_awake_ms.load(); }
 
+// The pool's idle workers stop spinning and sleep until the next job (see g_park_epoch).
 // A process that parks hands its cores to another one at every hop (the services): its CPUs are
 // that one's then, and its spinners stop for good. Idle priority is idle only within the process's
 // scheduling group (autogroup: a session; or a container's cgroup), and each service has its own:
