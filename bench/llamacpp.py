@@ -100,7 +100,6 @@ class _Llama:
         self.ctx = L.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
-        self.batch_size, self.seq_max = n_batch, n_seq_max
         self.batch = L.llama_batch_init(n_batch, 0, n_seq_max)
 
     def clear(self) -> None:

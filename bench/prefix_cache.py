@@ -9,7 +9,7 @@ The same model is loaded twice into the attention service's own engine (experts 
 caching on then off, each after a warm-up request of unrelated tokens. Reports each side's time to
 first token (mean, p50, max; from submit to the token leaving the engine), the prefix cache's hit
 rate (hit tokens over queried tokens), the wall time, the ratios, and how many requests generated
-the same tokens on both sides (in bfloat16, batch shapes move the last bits, see the README).
+the same tokens on both sides (in bfloat16, batch shapes move the last bits, see docs/models.md, prefix caching).
 """
 from __future__ import annotations
 

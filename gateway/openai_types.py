@@ -183,7 +183,7 @@ class SamplingRequest(OpenAIBaseModel):
     # Beyond OpenAI, as vLLM and llama-server accept them:
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)          # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM's; 1: off
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # vLLM's; 1: off
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None                               # vLLM's: these end it too
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)               # vLLM's: no stop token before

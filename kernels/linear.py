@@ -39,7 +39,7 @@ log = logging.getLogger("splitmoe.kernels")
 # ~64-96 rows here (more with VNNI). The threshold is lower on purpose: rows past a decode batch
 # are prompt tokens, and the GEMM route computes them on the exact weights without rounding the
 # activations to int8 (whose ~1% per-product error flips near-tied expert choices: see
-# tests/attention_service/test_fixtures.py). 17-64-row decode batches pay up to ~1.5x for that.
+# tests/attention_service/model/test_fixtures.py). 17-64-row decode batches pay up to ~1.5x for that.
 SMALL_BATCH_ROWS = 16
 # Elements dequantized per chunk on the GEMM route: 2M float32 values (8 MiB) per thread.
 CHUNK_ELEMS = 1 << 21

@@ -3,7 +3,7 @@
 Pure: the nodes come from splitmoe.runtime.topology (a fake sysfs tree in tests). The experts are
 split into contiguous ranges, one per node, so each expert's weights live on exactly one node:
 split, never copied. Each service is pinned to its node's cores and its pages are first-touched
-there by its own (pinned) threads, so its memory node is its node (see the README, NUMA).
+there by its own (pinned) threads, so its memory node is its node (see docs/deploy.md, NUMA).
 """
 from __future__ import annotations
 

@@ -254,7 +254,7 @@ class Supervisor:
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)
 
-    def _on_signal(self, signum: int, frame) -> None:
+    def _on_signal(self, _signum: int, _frame) -> None:
         # Only count here: the loops below act on it, so no exception lands mid-spawn.
         self.num_signals += 1
 

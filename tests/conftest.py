@@ -12,8 +12,24 @@ sys.path.insert(0, str(REPO))  # `tests.support` importable from any rootdir
 
 import splitmoe  # noqa: E402,F401 - before torch: the runtimes' defaults (splitmoe/__init__.py)
 
+# The fixtures here that start the stack as processes: a test using one (directly or through another
+# fixture) is `stack` wherever it lives, so `-m "not stack"` never starts it.
+STACK_FIXTURES = frozenset({"bf16_stack"})
 
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: it must see the marks added here
 def pytest_collection_modifyitems(config, items):
+    mark_stack_fixture_users(items)
+    skip_cuda_without_a_gpu(items)
+
+
+def mark_stack_fixture_users(items) -> None:
+    for item in items:
+        if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.stack)
+
+
+def skip_cuda_without_a_gpu(items) -> None:
     """Tests marked `cuda` need a GPU that torch sees: elsewhere they skip, saying so."""
     cuda_items = [item for item in items if "cuda" in item.keywords]
     if not cuda_items:

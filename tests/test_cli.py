@@ -34,6 +34,7 @@ def test_every_flag_has_help_and_its_default_shows(path, parser):
             assert shown.split("(default")[0].strip() in " ".join(text.split())
 
 
+@pytest.mark.stack
 def test_version():
     out = subprocess.run([sys.executable, "-m", "splitmoe", "--version"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == f"splitmoe {version()}"

@@ -92,6 +92,7 @@ def test_the_rules_can_fail(tmp_path, monkeypatch):
     assert imports("kernels") == {"kernels/bad.py": {"modelfile"}}
 
 
+@pytest.mark.stack
 def test_the_gateway_loads_no_torch_and_no_engine_package():
     """Imported for real, with its CLI command: what the static rule cannot see (a dependency's own
     imports) stays out too."""

@@ -132,6 +132,7 @@ def test_the_unknown_field_check_catches_a_misspelt_field():
         "ServiceMonitor/spec/endpoints[0]/intervall: not in the CRD's schema"]
 
 
+@pytest.mark.stack
 def test_the_renderer_matches_kubectl_kustomize_where_kubectl_is_installed(kustomize_dirs):
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -180,6 +181,7 @@ def test_the_attention_pod_waits_for_as_many_experts_as_the_deployment_runs(rend
     assert wait["env"][0]["valueFrom"]["configMapKeyRef"] == {"name": "splitmoe-config", "key": "EXPERT_REPLICAS"}
 
 
+@pytest.mark.stack
 def test_the_wait_for_experts_script_waits_for_enough_addresses(kustomize_dirs):
     """The init container's script, run here with `localhost` (one address) for the Service's name."""
     (wait,) = pod(render(kustomize_dirs["base"]), "splitmoe-attention")["initContainers"]
@@ -301,12 +303,13 @@ def test_the_example_overlay_puts_the_attention_service_on_a_gpu_node(kustomize_
                for c in pod(objects, name)["containers"])
 
 
-# ---- the README, as written ----
+# ---- docs/deploy.md, as written ----
 
-def test_the_readmes_kubernetes_steps_render_and_validate(tmp_path):
-    """The README's block, run in a copy of deploy/ (no cluster: `kubectl apply` is left out; with
+@pytest.mark.stack
+def test_the_deploy_docs_kubernetes_steps_render_and_validate(tmp_path):
+    """docs/deploy.md's Kubernetes block, run in a copy of deploy/ (no cluster: `kubectl apply` is left out; with
     no kubectl here its `kubectl kustomize` is the tests' renderer instead)."""
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "deploy.md").read_text()
     section = readme[readme.index("## Kubernetes"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     shutil.copytree(DEPLOY, tmp_path / "deploy")

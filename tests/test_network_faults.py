@@ -22,6 +22,8 @@ from tests.support.gateway_http import metric, wait_http
 from tests.support.netns import NetnsHost, skip_reason
 from tests.support.processes import free_port, spawn, stop, wait_grpc_serving
 
+pytestmark = pytest.mark.stack  # network namespaces, and the services as real processes
+
 MODEL = "demo"
 API_KEY = "tests-api-key-network-faults"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

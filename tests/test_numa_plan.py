@@ -66,6 +66,7 @@ def test_up_numa_without_a_topology_runs_one_service_on_our_cpus(tmp_path):
     assert build_parser().parse_args(spec.argv[4:]).threads == len(usable_cpu_set())
 
 
+@pytest.mark.stack
 def test_serve_experts_on_a_numa_node_pins_every_thread_to_its_cpus(demo_gguf, tmp_path):
     node = read_numa_nodes()[0] if read_numa_nodes() else None
     if node is None:
@@ -80,6 +81,7 @@ def test_serve_experts_on_a_numa_node_pins_every_thread_to_its_cpus(demo_gguf, t
     assert placement in log.read_text() and "of this process's pages are on its memory" in log.read_text()
 
 
+@pytest.mark.stack
 def test_serve_experts_on_a_node_that_is_not_there_says_which_are():
     done = subprocess.run([sys.executable, "-m", "splitmoe", "serve-experts", "x.gguf", "--port", "0",
                            "--numa-node", "99"], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.processes import REPO
+
+pytestmark = pytest.mark.stack  # pip builds a wheel and installs it into a new venv
 
 
 def product_folders() -> tuple[str, ...]:

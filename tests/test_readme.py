@@ -1,4 +1,5 @@
-"""The README as a new user reads it: its set-up commands and its examples work as printed."""
+"""The README and docs/ as a new user reads them: the set-up commands and the examples work as printed, and
+every link between them lands on a file and a heading that exist."""
 import re
 import shlex
 import subprocess
@@ -14,7 +15,11 @@ from splitmoe.kernels.quants import supported_types
 from tests.support.processes import REPO
 
 README = (REPO / "README.md").read_text()
-BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+DOCS = {path: path.read_text() for path in sorted((REPO / "docs").glob("*.md"))}
+TEXTS = {REPO / "README.md": README, **DOCS}
+README_BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+# every bash block a reader may copy: the README's first, then docs/'s
+BLOCKS = [block for text in TEXTS.values() for block in re.findall(r"```bash\n(.*?)```", text, re.S)]
 
 
 def commands(block: str) -> list[list[str]]:
@@ -24,7 +29,7 @@ def commands(block: str) -> list[list[str]]:
 
 
 def test_exactly_two_setup_commands_on_top_and_ci_runs_the_second():
-    first = commands(BLOCKS[0])
+    first = commands(README_BLOCKS[0])
     assert [" ".join(c) for c in first] == [
         "pip install torch==2.13.0 -e . && splitmoe up",
         "pip install torch==2.13.0 -e .[test] && python -m pytest -q",  # shlex took the quotes off
@@ -33,7 +38,8 @@ def test_exactly_two_setup_commands_on_top_and_ci_runs_the_second():
     assert "pip install --quiet torch==2.13.0 -e '.[test]'" in ci and "python -m pytest -q" in ci
 
 
-def test_every_splitmoe_command_in_the_readme_parses():
+def test_every_splitmoe_command_in_the_readme_and_docs_parses():
+    assert len(BLOCKS) > len(README_BLOCKS) >= 2  # docs/ was read
     parser = build_parser()
     for block in BLOCKS:
         for argv in commands(block):
@@ -41,14 +47,17 @@ def test_every_splitmoe_command_in_the_readme_parses():
                 try:
                     parser.parse_args(argv[1:])
                 except SystemExit:
-                    pytest.fail(f"README: `{' '.join(argv)}` does not parse")
+                    pytest.fail(f"README or docs/: `{' '.join(argv)}` does not parse")
 
 
 def test_the_attention_flag_table_names_every_serving_option():
+    deploy = DOCS[REPO / "docs" / "deploy.md"]
+    table = deploy.split("| attention flag | meaning |", 1)[1].split("\n\n", 1)[0]
     for flag, _ in SERVING_OPTIONS:
-        assert f"`{flag}" in README, f"README's attention flag table lacks {flag}"
+        assert f"`{flag}" in table, f"docs/deploy.md's attention flag table lacks {flag}"
 
 
+@pytest.mark.stack
 def test_the_single_process_examples_run_on_the_demo_model(demo_gguf, tmp_path):
     block = next(b for b in BLOCKS if "splitmoe logits" in b)
     ran = []
@@ -66,7 +75,7 @@ def test_the_single_process_examples_run_on_the_demo_model(demo_gguf, tmp_path):
 def test_the_curl_example_names_the_demo_models_served_name(tmp_path):
     from splitmoe.demo import trained_model_path
 
-    model = re.search(r'"model": "([^"]+)"', BLOCKS[1]).group(1)
+    model = re.search(r'"model": "([^"]+)"', README_BLOCKS[1]).group(1)
     assert model == trained_model_path().stem  # what `up` serves it as
 
 
@@ -98,3 +107,37 @@ def test_the_tensor_type_list_names_every_supported_type():
     listed = re.search(r"Tensor types: ([A-Z0-9_,\s]+)\.", README)[1]
     names = {name.strip() for name in listed.split(",")}
     assert names == {T(t).name for t in supported_types()}
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings(text: str) -> set[str]:
+    """The anchors of a Markdown file's headings (a '#' line inside a code block is a comment)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return {anchor(m) for m in re.findall(r"^#{1,6} (.+)$", prose, re.M)}
+
+
+def test_every_relative_link_lands_on_a_file_and_heading():
+    checked, broken = 0, []
+    for path, text in TEXTS.items():
+        prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            file, _, fragment = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            checked += 1
+            if not dest.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such file)")
+            elif fragment and dest.suffix == ".md" and fragment not in headings(dest.read_text()):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
+    assert checked > 50 and not broken, broken
+
+
+def test_the_readme_links_every_docs_file():
+    linked = {m for m in re.findall(r"\]\(docs/([\w-]+\.md)", README)}
+    assert linked >= {path.name for path in DOCS} - {"README.md"}
+    assert "](docs/README.md)" in README or "](docs/)" in README

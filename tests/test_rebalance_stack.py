@@ -67,6 +67,7 @@ def generate_all(stub):
         return list(pool.map(lambda ids: generate(stub, ids), PROMPTS))
 
 
+@pytest.mark.stack
 def test_rebalance_while_streaming_changes_no_output_and_evens_the_load(stack, token_file, tmp_path):
     address, stub = stack
     expected = generate_all(stub)
@@ -107,6 +108,7 @@ def test_rebalance_while_streaming_changes_no_output_and_evens_the_load(stack, t
     assert "<svg" in picture.read_text()[:2000]
 
 
+@pytest.mark.stack
 def test_dry_run_reports_and_moves_nothing(stack, token_file):
     address, stub = stack
     placed = {(e.layer, e.expert): tuple(e.placed_on) for e in stub.GetStats(pb.AttentionStatsRequest()).expert_heat}

@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.processes import REPO
 
+pytestmark = pytest.mark.stack  # each check runs in a fresh interpreter
+
 PROBE = ("import json, os, splitmoe; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), "
          "os.environ.get('MKL_CBWR'), splitmoe.user_environment().get('OMP_WAIT_POLICY'), "
          "splitmoe.user_environment().get('MKL_CBWR')]))")

@@ -28,7 +28,7 @@ from splitmoe.cli import main
 from splitmoe.modelfile.experts import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_split import split_gguf
-from tests.attention_service.test_hf_reference import mixtral_config
+from tests.attention_service.model.test_hf_reference import mixtral_config
 from tests.support.expert_services import ExpertServices
 from tests.support.hf_reference import build_model
 from tests.support.hf_to_gguf import Q8_0, convert
@@ -86,6 +86,7 @@ def test_demo_model_logits_through_the_logits_command(demo_gguf, tmp_path):
     assert_logits_survive_splitting(demo_gguf, tmp_path)
 
 
+@pytest.mark.stack
 def test_command_given_a_broken_set_says_one_line(demo_gguf, tmp_path):
     first = split_gguf(demo_gguf, tmp_path / "demo", 3)[0]
     first.with_name("demo-00002-of-00003.gguf").unlink()
@@ -139,6 +140,7 @@ def assert_services_logits_survive_splitting(model: Path, tmp_path: Path, halves
         assert got[name] == got["whole"], name
 
 
+@pytest.mark.stack
 @needs_fixtures
 @pytest.mark.parametrize("model", FIXTURE_FILES, ids=lambda p: p.name)
 def test_fixture_logits_through_expert_services(model, tmp_path):
@@ -146,10 +148,12 @@ def test_fixture_logits_through_expert_services(model, tmp_path):
     assert_services_logits_survive_splitting(model, tmp_path)
 
 
+@pytest.mark.stack
 def test_demo_model_logits_through_expert_services(demo_gguf, tmp_path):
     assert_services_logits_survive_splitting(demo_gguf, tmp_path)
 
 
+@pytest.mark.stack
 def test_own_model_in_the_per_expert_layout(tmp_path):
     """Our converter's old-Mixtral layout (one tensor per expert, so a layer's experts end up in
     different parts): the logits command, and two services each hosting half of the experts."""
@@ -164,10 +168,12 @@ def test_own_model_in_the_per_expert_layout(tmp_path):
     assert len(holding) > 1  # the experts were in more than one part
 
 
+@pytest.mark.stack
 def test_demo_model_with_experts_split_across_two_services(demo_gguf, tmp_path):
     assert_services_logits_survive_splitting(demo_gguf, tmp_path, halves=True)
 
 
+@pytest.mark.stack
 def test_expert_service_refuses_another_split_of_the_model(demo_gguf, tmp_path):
     """The identity the services compare covers every part: another split of the same model is
     another file to them, though its first part has the same name."""
@@ -183,6 +189,7 @@ def test_expert_service_refuses_another_split_of_the_model(demo_gguf, tmp_path):
         services.stop_all()
 
 
+@pytest.mark.stack
 @needs_fixtures
 def test_whole_stack_on_a_split_model_equals_generate_on_the_file(tmp_path):
     """gateway -> attention -> two expert services, each process opening the 3-part set."""
@@ -210,6 +217,7 @@ def test_generate_on_a_split_model_equals_generate_on_the_file(demo_gguf, tmp_pa
     assert texts[0] and texts[1] == texts[0]
 
 
+@pytest.mark.stack
 def test_bench_run_on_a_split_model(demo_gguf, tmp_path):
     first = split_into(demo_gguf, tmp_path / "parts", 2)
     out = tmp_path / "figures.json"
@@ -219,6 +227,7 @@ def test_bench_run_on_a_split_model(demo_gguf, tmp_path):
     assert json.loads(out.read_text())["decode_tok_s"] > 0
 
 
+@pytest.mark.stack
 def test_up_on_a_split_model_serves_it_by_the_set_name(demo_gguf, tmp_path):
     first = split_into(demo_gguf, tmp_path / "parts", 3)
     port = free_port()

@@ -20,6 +20,8 @@ from tests.support.expert_services import ExpertServices
 from tests.support.processes import REPO, run_splitmoe
 from tests.support.stack import running_stack
 
+pytestmark = pytest.mark.stack  # the whole stack as real processes
+
 EXPERT_TIMEOUT_S = 5.0
 PROMPT = "Write one line about the sea."
 

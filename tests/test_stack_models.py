@@ -16,6 +16,8 @@ from tests.support.gguf_edit import rewrite_gguf
 from tests.support.processes import REPO, run_splitmoe
 from tests.support.stack import running_stack
 
+pytestmark = pytest.mark.stack  # the whole stack as real processes
+
 MODELS = ["deepseek2/deepseek2-q8_0.gguf", "deepseek3/deepseek3-q4_k_m.gguf", "gptoss/gptoss-mxfp4_moe.gguf",
           "dbrx/dbrx-q4_k_m.gguf", "deepseek/deepseek-q8_0.gguf", "glm4moe/glm4moe-q8_0.gguf",
           "llama4/llama4-q4_k_m.gguf"]

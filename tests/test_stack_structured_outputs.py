@@ -12,6 +12,8 @@ import jsonschema
 import openai
 import pytest
 
+pytestmark = pytest.mark.stack  # conftest's bf16_stack: the whole stack as real processes
+
 # Small enough to keep 100 answers quick, with every kind of node: a nested object, an array, an enum,
 # bounded integers and strings, required fields. Bounds keep a random model's answers short.
 SCHEMA = {

@@ -12,6 +12,8 @@ import jsonschema
 import openai
 import pytest
 
+pytestmark = pytest.mark.stack  # conftest's bf16_stack: the whole stack as real processes
+
 PARAMETERS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -220,6 +220,7 @@ def test_connect_host_and_curl_example():
 
 # ---- the supervisor, with stand-in children ----
 
+@pytest.mark.stack
 def test_stage_waits_for_health_and_leaving_stops_every_child(tmp_path):
     with Supervisor(tmp_path, startup_timeout_s=20, say=quiet) as supervisor:
         supervisor.start_stage([fake_spec("a", "ok"), fake_spec("b", "ok")])
@@ -230,6 +231,7 @@ def test_stage_waits_for_health_and_leaving_stops_every_child(tmp_path):
     assert wait_gone(pids, 0.5) == []
 
 
+@pytest.mark.stack
 def test_a_child_that_dies_while_starting_is_named_with_its_log_tail(tmp_path):
     with Supervisor(tmp_path, startup_timeout_s=20, say=quiet) as supervisor:
         with pytest.raises(ServiceFailed) as failed:
@@ -239,6 +241,7 @@ def test_a_child_that_dies_while_starting_is_named_with_its_log_tail(tmp_path):
     assert "cannot open the model file" in message and str(tmp_path / "expert-1.log") in message
 
 
+@pytest.mark.stack
 def test_a_child_that_never_gets_healthy_times_out_by_name(tmp_path):
     with Supervisor(tmp_path, startup_timeout_s=1.5, say=quiet) as supervisor:
         with pytest.raises(ServiceFailed, match=r"^attention was not healthy after 1.5 s"):
@@ -247,6 +250,7 @@ def test_a_child_that_never_gets_healthy_times_out_by_name(tmp_path):
     assert wait_gone([pid], 0.5) == []
 
 
+@pytest.mark.stack
 def test_a_child_that_dies_while_running_stops_the_rest(tmp_path):
     with Supervisor(tmp_path, startup_timeout_s=20, say=quiet) as supervisor:
         supervisor.start_stage([fake_spec("expert-0", "ok")])
@@ -257,6 +261,7 @@ def test_a_child_that_dies_while_running_stops_the_rest(tmp_path):
     assert wait_gone(pids, 0.5) == []
 
 
+@pytest.mark.stack
 def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     lines: list[str] = []
     with Supervisor(tmp_path, startup_timeout_s=20, stop_grace_s=0.5, say=lines.append) as supervisor:
@@ -267,6 +272,7 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     assert any("stubborn did not stop within 0.5 s; killing it" in line for line in lines)
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_no_orphans_when_the_supervisor_itself_is_stopped(tmp_path, sig):
@@ -335,6 +341,7 @@ DEMO_ANSWERS = {
 }
 
 
+@pytest.mark.stack
 def test_up_answers_the_demo_questions_and_sigterm_leaves_no_child(tmp_path):
     _require_subcommands("serve-experts", "serve-gateway")
     httpx = pytest.importorskip("httpx")

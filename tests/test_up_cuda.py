@@ -20,7 +20,7 @@ import pytest
 from tests.support.processes import free_port
 from tests.test_up import DEMO_ANSWERS, REPO, LineReader, _stop
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.stack]  # `splitmoe up` and its children
 
 QUESTION = "What is 7 + 5?"
 

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from splitmoe.cli import main
 from tests.support.processes import REPO
 
@@ -37,6 +39,7 @@ def test_a_file_and_a_shape(capsys, demo_gguf):
     assert rows["qwen3-235b-a22b"][:2] == ["29.79 GiB", "376.0 KiB"]
 
 
+@pytest.mark.stack
 def test_bad_input_is_one_line_and_exit_2():
     for args, says in ((["--shape", "llama-70b"], "want one of gpt-oss-120b"),
                        (["--kv-cache-tokens", "0"], "kv_cache_tokens must be >= 1")):

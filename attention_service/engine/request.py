@@ -1,8 +1,7 @@
 """One generation request's state as it moves through the scheduler."""
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from splitmoe.attention_service.engine.grammar import Grammar
@@ -47,7 +46,6 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     max_context_tokens: int
     num_prompt_tokens: int = 0
-    arrival_s: float = field(default_factory=time.monotonic)
     trace_context: Any = None  # the caller's span context: engine steps are traced under it
     grammar: Grammar | None = None  # structured output: what the tokens must match (None: free text)
 
@@ -57,9 +55,6 @@ class GenerationRequest:
     @property
     def num_output_tokens(self) -> int:
         return self.seq.num_tokens - self.num_prompt_tokens
-
-    def uncached_tokens(self) -> int:
-        return self.seq.num_tokens - self.seq.num_cached_tokens
 
     def accept(self, sampled: Sampled) -> RequestOutput:
         """Take the sampled token; say what to stream and whether the request is done."""

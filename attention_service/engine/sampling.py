@@ -5,6 +5,7 @@ default, so they do not depend on the sampling knobs.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,8 +53,8 @@ class SamplingOptions:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError("repetition_penalty must be in (0, 2]")
+        if not 0.0 < self.repetition_penalty < math.inf:  # any positive value, as vLLM and llama.cpp take
+            raise ValueError("repetition_penalty must be a finite number > 0")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for _, bias in self.logit_bias):

@@ -34,8 +34,8 @@ class Reply:
     output: torch.Tensor | None   # [rows, D]; None when `error`
     error: str                    # non-empty: the service rejected the request (it stays usable)
     compute_s: float              # inside the expert kernels, as the service reports it
-    overhead_s: float             # the rest of the hop: what the transport cost
-    hop_s: float = 0.0            # sent -> answer arrived, timed at arrival: not when someone got round to it
+    overhead_s: float             # the rest of the hop: what the transport cost (never more than hop_s)
+    hop_s: float = 0.0            # sent -> answer in hand, less any time it waited for a client busy elsewhere
 
 
 class Link(Protocol):

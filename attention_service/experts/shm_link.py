@@ -198,17 +198,19 @@ class ShmLink:
         if not self._pending or seq != self._pending[0].seq or kind != doorbell.KIND_FORWARD:
             raise HopFailed(f"the service answered request {seq}, not the oldest one sent")
         ticket = self._pending.popleft()
-        # Overhead: the round trip less the expert compute, less the time the request queued
-        # behind the previous hop (the other micro-batch's), less the time its answer waited
-        # for a client busy elsewhere (attention of the other micro-batch).
-        queued_ns = max(self._previous_end_ns - ticket.sent_ns, 0)
+        # One measurement for the hop and its overhead, so that they agree under any load. The hop
+        # ends when its answer was read, less the time the answer waited for a client busy
+        # elsewhere (attention of the other micro-batch): a receive already waiting counts in
+        # full, the scheduler's delay in waking it included. The overhead is that hop less the
+        # expert compute and the time the request queued behind the previous hop (the other
+        # micro-batch's).
         unread_ns = max(wait_ns - max(end_ns, ticket.submitted_ns), 0)
-        overhead_ns = max(observed_ns - ticket.start_ns - compute_ns - queued_ns - unread_ns, 0)
+        arrived_ns = max(observed_ns - unread_ns, ticket.start_ns)
+        queued_ns = max(self._previous_end_ns - ticket.sent_ns, 0)
+        overhead_ns = max(arrived_ns - ticket.start_ns - compute_ns - queued_ns, 0)
         self._previous_end_ns = end_ns
         error = "" if status == doorbell.STATUS_OK else \
             bytes(self._received[doorbell.REPLY.size:length]).decode(errors="replace") or "unknown error"
-        # The service's end is the answer's arrival (one clock, one host), when we read it or not.
-        arrived_ns = end_ns if ticket.start_ns < end_ns <= observed_ns else observed_ns
         ticket.reply = Reply(None if error else ticket.output, error, compute_ns * 1e-9, overhead_ns * 1e-9,
                              (arrived_ns - ticket.start_ns) * 1e-9)
 

@@ -5,7 +5,7 @@
 Reads deploy/grafana/dashboards/splitmoe.json, runs every panel's queries over the last MINUTES
 through Prometheus' HTTP API (query_range), and draws each panel where its gridPos puts it: time
 series as lines, stats as their last values, the heat map as one row per series over time. It is
-no Grafana: it exists because the README's picture was taken where Grafana could not be installed
+no Grafana: it exists because the monitoring docs' picture (docs/operate.md) was taken where Grafana could not be installed
 (not in Debian's archive, no registry package), and it shows the dashboard's own queries on real
 data. With Docker, `docker compose up` serves the real dashboard on :3000.
 """

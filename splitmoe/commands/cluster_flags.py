@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def add_cluster_flags(p: argparse.ArgumentParser, serves: bool, calls: bool) -> None:
     """serves: the process is a gRPC server; calls: it calls one (both, for the attention service)."""
-    g = p.add_argument_group("cluster security (see the README's trust model)")
+    g = p.add_argument_group("cluster security (see docs/operate.md, trust model)")
     g.add_argument("--cluster-token-file", type=Path, metavar="PATH",
                    help="file holding the cluster secret that every RPC between the services carries "
                         "(default: $SPLITMOE_CLUSTER_TOKEN; none: " +

@@ -54,7 +54,7 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                                        "take: a silent host is found within about twice this")),
     ("--hedge-after-s", dict(type=float, default=0.25,
                              help="a hop is re-sent to a replica no sooner than this, nor before 4x its service's "
-                                  "learned 99th percentile (see the README, Faults across hosts)")),
+                                  "learned 99th percentile (see docs/operate.md, faults across hosts)")),
     ("--experts-per-token", dict(type=int, default=0, metavar="K",
                                  help="routed experts per token (0: the model's own); requests may override it")),
     ("--reasoning-format", dict(choices=["auto", "none"], default="auto",

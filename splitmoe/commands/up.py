@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="the gateway's port (0: any free port)")
     p.add_argument("--numa", action="store_true",
                    help="one expert service per NUMA node, pinned to its CPUs, its pages on its memory, the "
-                        "experts split between the nodes (replaces --expert-services; see the README, NUMA)")
+                        "experts split between the nodes (replaces --expert-services; see docs/deploy.md, NUMA)")
     p.add_argument("--threads", type=int, default=0, metavar="T",
                    help="CPU threads split between the expert services (default: the CPUs this process may "
                         "use); the attention service gets T too, as it computes while the experts wait")

@@ -19,6 +19,8 @@ from tests.support.processes import (
     stranger_channel,
 )
 
+pytestmark = pytest.mark.stack  # `splitmoe serve-attention` as a real process
+
 PROMPTS = [[5 + i, 40 + 3 * i, 100 + i, 7, 200 - i, 33 + i][: 3 + i % 4] for i in range(8)]
 
 

@@ -40,6 +40,7 @@ CONTEXT = ("ceiling_decode_tok_s", "ceiling_decode16_tok_s", "bandwidth_gb_s", "
            "touched_expert_bytes_per_step16")
 
 
+@pytest.mark.stack
 def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(demo_gguf, tmp_path):
     out = tmp_path / "figures.json"
     stdout = run_splitmoe("bench", "run", "--model", str(demo_gguf), "--threads", "2", "--json", str(out),
@@ -80,6 +81,7 @@ def test_bench_run_measures_the_services_and_in_process_and_prints_the_table(dem
     assert {p.name for p in (tmp_path / "run").iterdir()} >= logs
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed (the optional `bench` "
                                                      "extra: pip install 'splitmoe[bench]'); baseline not tested")
 def test_llamacpp_baseline_runs_the_same_workload(demo_gguf, tmp_path):

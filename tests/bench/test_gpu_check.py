@@ -35,7 +35,8 @@ SCRIPTS = (REPO / "bench" / "gpu" / "prepare.sh", REPO / "bench" / "gpu" / "run.
 # ---- what travels -------------------------------------------------------------------------------
 
 def test_the_carried_fixtures_are_what_the_cuda_tests_read():
-    from tests.attention_service import test_cuda_fixtures, test_device_experts, test_fixtures, test_static_decode
+    from tests.attention_service.experts import test_device_experts
+    from tests.attention_service.model import test_cuda_fixtures, test_fixtures, test_static_decode
 
     assert set(REFERENCE_FAMILIES) == set(test_fixtures.ARCHS) | set(test_cuda_fixtures.FAMILIES)
     assert set(FLIP_FAMILIES) == set(test_fixtures.PER_POSITION_ARCHS) and list(QUANTS) == test_fixtures.QUANTS
@@ -152,6 +153,7 @@ def test_a_dry_runs_table_has_cpu_figures_and_no_verdicts(tmp_path):
 
 # ---- the scripts --------------------------------------------------------------------------------
 
+@pytest.mark.stack
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_the_scripts_parse_and_explain_themselves(script):
     bash = shutil.which("bash")
@@ -162,6 +164,7 @@ def test_the_scripts_parse_and_explain_themselves(script):
     assert "usage: bench/gpu/" in done.stdout and ".gpu/" in done.stdout
 
 
+@pytest.mark.stack
 def test_run_sh_wants_one_out_folder_and_knows_its_options():
     run = [shutil.which("bash"), str(SCRIPTS[1])]
     for args, said in [([], "OUT folder missing"), (["a", "b"], "one OUT folder"), (["a", "--fast"], "unknown option")]:
@@ -171,6 +174,7 @@ def test_run_sh_wants_one_out_folder_and_knows_its_options():
     assert "--dry-run" in help_text and "pytest -m cuda" in help_text and "OUT/gpu-table.md" in help_text
 
 
+@pytest.mark.stack
 def test_the_carried_folder_is_ignored_by_git():
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")

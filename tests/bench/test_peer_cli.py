@@ -135,6 +135,7 @@ def test_a_bin_directory_needs_both_tools_executable(tmp_path):
     assert check_bin_dir(str(tmp_path), "--llama-cpp-dir") == tmp_path.resolve()
 
 
+@pytest.mark.stack
 def test_a_failing_tool_is_reported_with_the_last_lines_of_its_log(tmp_path):
     tool = tmp_path / BENCH_TOOL
     _tool(tool, "for i in $(seq 1 30); do echo \"loading line $i\" >&2; done\necho 'error: failed to load model' >&2\n"
@@ -148,6 +149,7 @@ def test_a_failing_tool_is_reported_with_the_last_lines_of_its_log(tmp_path):
     assert (tmp_path / "t.log").read_text().startswith(f"$ {tool} -m x.gguf\n")  # what ran heads its log
 
 
+@pytest.mark.stack
 def test_batched_rows_lost_in_every_attempt_are_an_error(tmp_path):
     tool = tmp_path / BATCHED_TOOL
     _tool(tool, "echo run >> \"$0.runs\"\n")  # exits 0, prints no table: every row lost
@@ -161,6 +163,7 @@ def test_batched_rows_lost_in_every_attempt_are_an_error(tmp_path):
 BUILDS = {"llama.cpp": settings.llama_cpp_bin_dir(), "ik_llama.cpp": settings.ik_llama_cpp_bin_dir()}
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fork", ["llama.cpp", "ik_llama.cpp"])
 def test_the_real_tools_measure_the_workload(fork, demo_gguf, tmp_path):
     if not BUILDS[fork]:

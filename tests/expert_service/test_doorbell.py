@@ -22,7 +22,10 @@ from splitmoe.proto import doorbell, expert_pb2, expert_pb2_grpc
 from splitmoe.proto.shm import SHM_DIR, ShmRegion
 from tests.support.processes import CLUSTER, REPO, cluster_channel, free_port, grpc_service
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+pytestmark = [
+    pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm"),
+    pytest.mark.stack,  # a `serve-experts` process, and peers as other processes
+]
 NOBODY = 65534
 REGION_BYTES = 4096
 

@@ -84,6 +84,7 @@ def routing(num_tokens, seed=0, num_experts=8, top_k=2):
     return hidden, ids, torch.rand(num_tokens, top_k, generator=gen)
 
 
+@pytest.mark.stack
 def test_health_and_shard_description(service, demo_gguf):
     info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
     assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])
@@ -93,6 +94,7 @@ def test_health_and_shard_description(service, demo_gguf):
     assert info.hostname
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("secret", [None, "a-wrong-cluster-secret-0123456789"], ids=["no-secret", "wrong-secret"])
 def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service, service_address, secret):
     with stranger_channel(service_address, secret) as channel:
@@ -108,6 +110,7 @@ def test_every_rpc_without_the_cluster_secret_is_unauthenticated(service, servic
     assert (list(info.layers), list(info.experts)) == ([0, 1], [0, 1, 2, 3])
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_matches_the_shard_in_process(service, demo_gguf, dtype):
     reference = ExpertShard(GGUFFile(demo_gguf), experts=range(4))
@@ -125,6 +128,7 @@ def test_forward_matches_the_shard_in_process(service, demo_gguf, dtype):
         stream.close()
 
 
+@pytest.mark.stack
 def test_bad_requests_are_answered_in_band_and_the_stream_survives(service):
     stream = Stream(service)
     try:
@@ -194,6 +198,7 @@ class Doorbell:
         self.region.close()
 
 
+@pytest.mark.stack
 def test_forward_through_the_doorbell(service, demo_gguf):
     info = service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
     assert info.doorbell.startswith("@splitmoe-experts-")
@@ -219,6 +224,7 @@ def test_forward_through_the_doorbell(service, demo_gguf):
         bell.close()
 
 
+@pytest.mark.stack
 def test_doorbell_refuses_another_version_and_can_be_turned_off(service, demo_gguf):
     bell = Doorbell(service.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).doorbell)
     try:
@@ -242,6 +248,7 @@ def test_doorbell_refuses_another_version_and_can_be_turned_off(service, demo_gg
         server.stop()
 
 
+@pytest.mark.stack
 def test_unassigned_service_loads_a_shard_and_counts_its_tokens(unassigned):
     info = unassigned.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10)
     assert not info.layers and not info.experts and info.num_bytes == 0
@@ -262,6 +269,7 @@ def test_unassigned_service_loads_a_shard_and_counts_its_tokens(unassigned):
     assert stats.num_requests == 1 and stats.compute_s_total > 0
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("layers, experts", [([7], [0]), ([0], [99]), ([0], [-1])])
 def test_load_shard_rejects_what_the_file_lacks(unassigned, layers, experts):
     with pytest.raises(grpc.RpcError) as e:
@@ -298,6 +306,7 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
         server.stop()
 
 
+@pytest.mark.stack
 def test_sigterm_drains_and_exits_cleanly(demo_gguf, tmp_path):
     port = free_port()
     log_path = tmp_path / "experts.log"

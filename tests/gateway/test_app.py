@@ -23,6 +23,8 @@ from tests.support.gateway_http import (
     wait_until_idle,
 )
 
+pytestmark = pytest.mark.stack  # the gateway and the services as real processes
+
 API_KEY = "integration-key"
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf
 DEMO_CONTEXT_TOKENS = 2048

@@ -34,6 +34,8 @@ from tests.support.gateway_http import (
 )
 from tests.support.processes import cluster_channel, free_port, spawn, stop
 
+pytestmark = pytest.mark.stack  # the gateway and the services as real processes
+
 MODEL = "demo"                      # the served name: the stem of conftest's demo.gguf
 EXPERT_TIMEOUT_S = 2.0
 SHAPE = DemoShape()                 # the demo model's shape: layers, experts, experts per token

@@ -25,6 +25,8 @@ from tests.support.gateway_http import (
 )
 from tests.support.gguf_edit import rewrite_gguf
 
+pytestmark = pytest.mark.stack  # the gateway and the services as real processes
+
 API_KEY = "bad-input-key"
 MODEL = "demo"
 CONTEXT_TOKENS = 2048                # the demo model's

@@ -21,6 +21,8 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not in
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+pytestmark = pytest.mark.stack  # headless Chromium against the services as real processes
+
 API_KEY = "page-key"
 LONG_TOKENS = 1900  # under the demo's 2048-token context with the prompt: seconds of decoding to stop within
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

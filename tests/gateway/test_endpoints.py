@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.gateway_http import assert_openai_error, gateway_over_attention
 
+pytestmark = pytest.mark.stack  # the gateway and the services as real processes
+
 API_KEY = "endpoints-key"
 MODEL = "demo"
 DEMO_VOCAB = 275

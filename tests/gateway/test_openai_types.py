@@ -66,6 +66,8 @@ def test_repetition_penalty_template_kwargs_and_names_reach_the_request():
     named = ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": "a", "name": "bo"}]}')
     assert named.to_generate_params("r")[0].prompt.messages == (ChatTurn("user", "a", name="bo"),)
     assert chat().to_generate_params("r")[0].sampling["repetition_penalty"] == 1.0
+    [strong] = chat('"repetition_penalty": 3.5').to_generate_params("r")  # any positive value, as vLLM takes
+    assert strong.sampling["repetition_penalty"] == 3.5
 
 
 def test_every_sampling_option_the_wire_declares_is_sent():

@@ -12,6 +12,8 @@ from tests.support.gateway_http import running_gateway, sse_chunks, wait_http
 from tests.support.harmony_model import write_harmony_demo_model
 from tests.support.processes import free_port, grpc_service
 
+pytestmark = pytest.mark.stack  # `serve-attention` and `serve-gateway` as real processes
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0}
 
 

@@ -55,6 +55,7 @@ def probe(mode: str, pause_s: float, awake_ms: str | None = None) -> tuple[int, 
     return ms, threads
 
 
+@pytest.mark.stack
 def test_spinners_run_at_idle_priority_and_only_while_jobs_are_recent():
     # right after the jobs, with a 10 s window: the spinners spin
     ms, threads = probe("run", 0.0, "10000")
@@ -66,6 +67,7 @@ def test_spinners_run_at_idle_priority_and_only_while_jobs_are_recent():
     assert [state for kind, state in threads if kind == "idle"] == ["S", "S"], threads
 
 
+@pytest.mark.stack
 def test_parking_stops_them_and_zero_makes_none():
     ms, threads = probe("park", 0.05, "10000")
     assert ms == 0 and [state for kind, state in threads if kind == "idle"] == ["S", "S"], threads

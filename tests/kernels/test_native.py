@@ -414,6 +414,7 @@ def test_missing_library_logs_one_warning_and_falls_back(tmp_path, caplog):
         probe.matmul(torch.zeros(1, 32), qt(T.Q8_0, (1, 32), seed=0))
 
 
+@pytest.mark.stack
 def test_concurrent_callers_and_fork():
     """Python threads calling at once (the GIL is released: one gets the pool, the others run
     alone) get the same bits as a lone caller; a forked child (no pool threads) still works."""

@@ -11,6 +11,8 @@ import pytest
 from splitmoe.kernels import kernel_settings as settings
 from tests.support.processes import REPO
 
+pytestmark = pytest.mark.stack  # the pinning is checked in a child interpreter
+
 CHILD = """
 import json, os, threading
 import numpy as np, torch

@@ -52,6 +52,7 @@ def test_every_candidate_kernel_computes_the_same_product(qtype, fresh):
             check_matmul(mm(x), x, w, f"{qtype.name} {c.label}, {m} tokens")
 
 
+@pytest.mark.stack
 def test_the_first_weight_of_a_type_settles_its_kernel_and_the_cache_keeps_it(fresh):
     if len(tuning.candidates(int(T.Q4_K))) < 2:
         pytest.skip(f"one Q4_K kernel on {native.isa()}: nothing to choose")

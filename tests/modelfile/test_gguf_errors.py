@@ -223,6 +223,7 @@ def test_the_traceback_of_a_bad_file_only_with_debug(demo_gguf, tmp_path, capsys
     assert err.strip().splitlines()[-1] == "splitmoe logits: error: tensor.gguf: missing tensor 'blk.1.attn_k.weight'"
 
 
+@pytest.mark.stack
 def test_the_attention_service_exits_with_the_line_instead_of_serving(demo_gguf, tmp_path):
     """A wrong `attn_k` used to load, report SERVING, then fail every request with INTERNAL."""
     path = tmp_path / "attn_k.gguf"

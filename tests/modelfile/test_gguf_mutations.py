@@ -262,6 +262,7 @@ def test_every_mutant_fails_with_one_line_or_loads_the_same_model(original, tmp_
         assert counts["fails"] > counts["loads"], (family, counts)
 
 
+@pytest.mark.stack
 def test_a_sample_of_mutants_as_a_user_runs_them(original, tmp_path):
     """`python -m splitmoe logits` in a subprocess, several at once: exit code, stderr, no signal."""
     data, layout, expected = original

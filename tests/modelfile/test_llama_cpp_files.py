@@ -78,6 +78,7 @@ def test_split_set_gives_the_unsplit_files_logits(tmp_path):
     assert cli_logits(QWEN3_SPLIT, tmp_path / "split.npy") == cli_logits(QWEN3_WHOLE, tmp_path / "whole.npy")
 
 
+@pytest.mark.stack
 def test_split_sets_through_expert_services_give_the_in_process_logits(tmp_path):
     """Two services per file, each half the experts, each opening its set from the first part."""
     models = {"qwen3-whole": QWEN3_WHOLE, "qwen3-split": QWEN3_SPLIT, "qwen2-split": QWEN2_SPLIT}
@@ -176,6 +177,7 @@ def make_files(out: Path) -> None:
         run([split, "--split", *options, str(out / whole), str(out / first.parent.name / whole.removesuffix(".gguf"))])
 
 
+@pytest.mark.stack
 @needs_fixtures
 @needs_tools
 def test_the_tools_remake_the_committed_files(tmp_path):
@@ -190,6 +192,7 @@ def test_the_tools_remake_the_committed_files(tmp_path):
     assert cli_logits(whole, tmp_path / "whole.npy") == cli_logits(QWEN2_SPLIT, tmp_path / "split.npy")
 
 
+@pytest.mark.stack
 @needs_fixtures
 @needs_tools
 @pytest.mark.parametrize("model", FIXTURE_FILES, ids=lambda p: p.name)
@@ -199,6 +202,7 @@ def test_every_fixture_split_by_the_tool_gives_the_unsplit_files_logits(model, t
     assert_tool_split_keeps_logits(model, ["--split-max-tensors", "16"], tmp_path)
 
 
+@pytest.mark.stack
 @needs_fixtures
 @needs_tools
 def test_fixture_split_by_size_gives_the_unsplit_files_logits(tmp_path):
@@ -218,6 +222,7 @@ def assert_tool_split_keeps_logits(model: Path, options: list[str], tmp_path: Pa
 Q8_0_FIXTURES = [p for p in FIXTURE_FILES if p.name.endswith("-q8_0.gguf")]
 
 
+@pytest.mark.stack
 @needs_fixtures
 @needs_tools
 @pytest.mark.parametrize("model", Q8_0_FIXTURES, ids=lambda p: p.parent.name)
@@ -232,6 +237,7 @@ def test_every_fixture_requantized_to_iq4_xs_and_split_by_the_tools_keeps_its_lo
     assert_tool_split_keeps_logits(whole, ["--split-max-tensors", "16"], tmp_path / "split")
 
 
+@pytest.mark.stack
 @needs_fixtures
 @needs_tools
 @pytest.mark.parametrize("model", Q8_0_FIXTURES, ids=lambda p: p.parent.name)

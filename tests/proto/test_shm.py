@@ -19,6 +19,7 @@ def region():
     r.close()
 
 
+@pytest.mark.stack
 def test_another_process_maps_our_region_and_writes_into_it(region):
     data, out = region.view(0, (4, 8), torch.float32), region.view(128, (4, 8), torch.float32)
     data.copy_(torch.arange(32, dtype=torch.float32).view(4, 8))

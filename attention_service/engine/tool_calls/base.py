@@ -11,7 +11,7 @@ import json
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,37 +246,49 @@ def arguments_json(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+State = Callable[[bool], bool]  # a StatesParser's state: reads the buffer (final: the reply has ended)
+
+
 class StatesParser(ToolCallParser):
-    """A format read as named states: each step runs the method `_<state>`, which moves `_state` on.
-    Every reply starts in "content"."""
+    """A format read as states, each a method: `_state` is the current one, and each step runs it.
+    A state moves `_state` on by naming the next method, so grep finds every way into a state.
+    Every reply starts in `_content`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._state = "content"
+        self._state: State = self._content
 
     def _step(self, final: bool) -> bool:
-        return getattr(self, "_" + self._state)(final)
+        return self._state(final)
+
+    @abstractmethod
+    def _content(self, final: bool) -> bool:
+        """Outside calls: content up to the first call's marker."""
 
 
 class SectionedCallsParser(StatesParser):
     """Calls inside a section: `SECTION_BEGIN (CALL_BEGIN header arguments CALL_END)* SECTION_END`
     (DeepSeek's and Kimi-K2's formats). A subclass reads the header (`_header`: name or id, up to
-    where the arguments start, then moves to "args"); the arguments stream until one of
+    where the arguments start, then moves to `_args`); the arguments stream until one of
     `ARGS_ENDS`. A model that skips the section marker goes straight to the call."""
 
     SECTION_BEGIN = SECTION_END = CALL_BEGIN = CALL_END = ""
     ARGS_ENDS: tuple[str, ...] = ()
 
+    @abstractmethod
+    def _header(self, final: bool) -> bool:
+        """From CALL_BEGIN to the arguments: begins the call."""
+
     def _content(self, final: bool) -> bool:
         marker = self._content_until((self.SECTION_BEGIN, self.CALL_BEGIN), final)
-        return self._branch(marker, self.SECTION_BEGIN, "section", "header")
+        return self._branch(marker, self.SECTION_BEGIN, self._section, self._header)
 
     def _section(self, final: bool) -> bool:
         """Between calls: the next call, or the end of the section."""
         marker = self._skip_until((self.CALL_BEGIN, self.SECTION_END), final)
-        return self._branch(marker, self.CALL_BEGIN, "header", "content")
+        return self._branch(marker, self.CALL_BEGIN, self._header, self._content)
 
-    def _branch(self, marker: str | None, first: str, if_first: str, otherwise: str) -> bool:
+    def _branch(self, marker: str | None, first: str, if_first: State, otherwise: State) -> bool:
         """The next state by which of two markers was found; False while neither has arrived."""
         if marker is None:
             return False
@@ -286,11 +298,11 @@ class SectionedCallsParser(StatesParser):
     def _args(self, final: bool) -> bool:
         if not self._stream_arguments(self.ARGS_ENDS, final):
             return False
-        self._state = "callend"
+        self._state = self._callend
         return True
 
     def _callend(self, final: bool) -> bool:
         if self._skip_until((self.CALL_END,), final) is None:
             return False
-        self._state = "section"
+        self._state = self._section
         return True

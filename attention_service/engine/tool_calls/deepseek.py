@@ -32,10 +32,10 @@ class DeepSeekParser(SectionedCallsParser):
             return False
         header, self._buffer = self._buffer[:at].strip(), self._buffer[at + len(SEP):]
         if header == _V3_TYPE:
-            self._state = "v3name"
+            self._state = self._v3name
         else:
             self._begin_call(header)
-            self._state = "args"
+            self._state = self._args
         return True
 
     def _v3name(self, final: bool) -> bool:
@@ -48,5 +48,5 @@ class DeepSeekParser(SectionedCallsParser):
             return False
         self._begin_call(self._buffer[:at])
         self._buffer = self._buffer[line_end + 1:]
-        self._state = "args"
+        self._state = self._args
         return True

@@ -25,8 +25,6 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 MARKERS = (OPEN, CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
 
-_CONTENT, _NAME, _ARGS, _KEY, _VALUE_OPEN, _VALUE = "content", "name", "args", "key", "valueopen", "value"
-
 
 def argument_value(text: str) -> str:
     """One value as JSON text: itself where it is JSON (strict: no NaN or Infinity, which Python's
@@ -54,7 +52,7 @@ class Glm45Parser(StatesParser):
     def _content(self, final: bool) -> bool:
         if self._content_until((OPEN,), final) is None:
             return False
-        self._state = _NAME
+        self._state = self._name
         return True
 
     def _name(self, final: bool) -> bool:
@@ -65,7 +63,7 @@ class Glm45Parser(StatesParser):
         name = self._buffer[:at].strip()
         self._begin_call(name)
         self._strings = self._string_parameters.get(name, ())
-        self._buffer, self._num_arguments, self._state = self._buffer[at:], 0, _ARGS
+        self._buffer, self._num_arguments, self._state = self._buffer[at:], 0, self._args
         return True
 
     def _args(self, final: bool) -> bool:
@@ -76,20 +74,21 @@ class Glm45Parser(StatesParser):
         if marker == CLOSE:
             self._end_call()
             return True
-        self._state = _KEY
+        self._state = self._key
         return True
 
     def _key(self, final: bool) -> bool:
         at = self._buffer.find(KEY_CLOSE)
         if at < 0:
             return self._cut_short(final)
-        self._arg_key, self._buffer, self._state = self._buffer[:at].strip(), self._buffer[at + len(KEY_CLOSE):], _VALUE_OPEN
+        self._arg_key, self._buffer = self._buffer[:at].strip(), self._buffer[at + len(KEY_CLOSE):]
+        self._state = self._valueopen
         return True
 
     def _valueopen(self, final: bool) -> bool:
         if self._skip_until((VALUE_OPEN,), final) is None:
             return self._cut_short(final)
-        self._state = _VALUE
+        self._state = self._value
         return True
 
     def _value(self, final: bool) -> bool:
@@ -101,12 +100,12 @@ class Glm45Parser(StatesParser):
         value = json.dumps(text, ensure_ascii=False) if self._arg_key in self._strings else argument_value(text)
         self._emit_arguments(f"{opening}{json.dumps(self._arg_key, ensure_ascii=False)}: {value}")
         self._num_arguments += 1
-        self._buffer, self._state = self._buffer[at + len(VALUE_CLOSE):], _ARGS
+        self._buffer, self._state = self._buffer[at + len(VALUE_CLOSE):], self._args
         return True
 
     def _end_call(self) -> None:
         self._emit_arguments("}" if self._num_arguments else "{}")
-        self._state = _CONTENT
+        self._state = self._content
 
     def _cut_short(self, final: bool) -> bool:
         """The reply ended inside a call: its complete arguments are closed as they are."""

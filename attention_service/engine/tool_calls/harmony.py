@@ -24,8 +24,6 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _REASONING_CHANNEL = "analysis"
 
-_CONTENT, _HEADER, _ARGS, _SKIP = "content", "header", "args", "skip"
-
 
 class HarmonyToolParser(StatesParser):
     def _content(self, final: bool) -> bool:
@@ -34,7 +32,7 @@ class HarmonyToolParser(StatesParser):
             return False
         if marker in (START, CHANNEL):
             self._buffer = marker + self._buffer  # the header parse reads which part it is in
-            self._state = _HEADER
+            self._state = self._header
         return True
 
     def _header(self, final: bool) -> bool:
@@ -46,22 +44,22 @@ class HarmonyToolParser(StatesParser):
         channel = _CHANNEL_NAME.search(header)
         if recipient and recipient[1].startswith(FUNCTIONS):
             self._begin_call(recipient[1][len(FUNCTIONS):])
-            self._state = _ARGS
+            self._state = self._args
         elif channel and channel[1] == _REASONING_CHANNEL:
-            self._state = _SKIP
+            self._state = self._skip
         else:
-            self._state = _CONTENT
+            self._state = self._content
         return True
 
     def _args(self, final: bool) -> bool:
         if not self._stream_arguments((*ENDS, START, CHANNEL), final):
             return False
-        self._state = _SKIP
+        self._state = self._skip
         return True
 
     def _skip(self, final: bool) -> bool:
         """To the end of the message (an analysis body; what follows a call's arguments)."""
         if self._skip_until(ENDS, final) is None:
             return False
-        self._state = _CONTENT
+        self._state = self._content
         return True

@@ -30,5 +30,5 @@ class KimiK2Parser(SectionedCallsParser):
         call_id, self._buffer = self._buffer[:at].strip(), self._buffer[at + len(ARGS_BEGIN):]
         match = _ID.fullmatch(call_id)
         self._begin_call(match["name"] if match else "", call_id or "")
-        self._state = "args"
+        self._state = self._args
         return True

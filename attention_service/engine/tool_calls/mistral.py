@@ -18,8 +18,6 @@ from splitmoe.attention_service.engine.tool_calls.json_calls import CallArray
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 MARKERS = (TOOL_CALLS, ARGS, CALL_ID)
 
-_CONTENT, _KIND, _ARRAY, _NAME, _ARGS = "content", "kind", "array", "name", "args"
-
 
 class MistralParser(StatesParser):
     def __init__(self) -> None:
@@ -33,7 +31,7 @@ class MistralParser(StatesParser):
     def _content(self, final: bool) -> bool:
         if self._content_until((TOOL_CALLS,), final) is None:
             return False
-        self._state = _KIND
+        self._state = self._kind
         return True
 
     def _kind(self, final: bool) -> bool:
@@ -42,9 +40,9 @@ class MistralParser(StatesParser):
         if not self._buffer:
             return False
         if self._buffer[0] == "[" and not self._buffer.startswith(MARKERS):
-            self._state, self._calls = _ARRAY, CallArray(self)
+            self._state, self._calls = self._array, CallArray(self)
         else:
-            self._state = _NAME
+            self._state = self._name
         return True
 
     def _array(self, final: bool) -> bool:
@@ -54,7 +52,7 @@ class MistralParser(StatesParser):
             if final:
                 self._calls.finish()
             return False
-        self._state = _CONTENT
+        self._state = self._content
         return True
 
     def _name(self, final: bool) -> bool:
@@ -64,11 +62,11 @@ class MistralParser(StatesParser):
         name, self._buffer = self._buffer[:at], self._buffer[at + len(ARGS):]
         name, _, call_id = name.partition(CALL_ID)
         self._begin_call(name, call_id.strip())
-        self._state = _ARGS
+        self._state = self._args
         return True
 
     def _args(self, final: bool) -> bool:
         if not self._stream_arguments((TOOL_CALLS,), final):
             return False
-        self._state = _CONTENT
+        self._state = self._content
         return True

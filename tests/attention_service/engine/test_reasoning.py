@@ -321,12 +321,14 @@ def chat(stub, **fields):
             [t.token_id for r in responses for t in r.tokens], responses[-1].finish_reason)
 
 
+@pytest.mark.stack
 def test_a_chat_reply_carries_its_reasoning_apart(service, harmony):
     reasoning, content, ids, finish = chat(service)
     assert reasoning and content == "" and finish == "length"
     assert reasoning == harmony.decode(ids)  # every generated token was in the analysis channel
 
 
+@pytest.mark.stack
 def test_a_request_may_ask_for_the_reasoning_inline(service):
     reasoning, content, ids, _ = chat(service)
     inline_reasoning, inline_content, inline_ids, _ = chat(service, reasoning_inline=True)
@@ -334,6 +336,7 @@ def test_a_request_may_ask_for_the_reasoning_inline(service):
     assert (inline_reasoning, inline_content) == ("", reasoning)
 
 
+@pytest.mark.stack
 def test_raw_text_prompts_are_not_parsed(service):
     request = pb.GenerateRequest(text="<|start|>assistant<|channel|>analysis<|message|>",
                                  sampling=pb.SamplingParams(max_tokens=8, temperature=0))

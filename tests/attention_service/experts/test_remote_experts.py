@@ -77,6 +77,7 @@ def no_regions_left():
 
 # ---- the transport seam ---------------------------------------------------------------------
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_calls_sent_ahead_answer_as_calls_sent_now(services, demo_gguf, transport):
     """The send-ahead thread (the GPU's micro-batches) starts calls in order, several in flight."""
@@ -90,6 +91,7 @@ def test_calls_sent_ahead_answer_as_calls_sent_now(services, demo_gguf, transpor
         assert torch.equal(a, b)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_static_decode_through_expert_services(services, demo_gguf, transport):
     """The GPU's decode path (fixed-shape segments, a hop after each: model/static_decode.py), here
@@ -104,6 +106,7 @@ def test_static_decode_through_expert_services(services, demo_gguf, transport):
 
     assert (decode(True) - decode(False)).abs().max() <= 1e-5
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm", "auto"])
 def test_same_logits_in_process_and_remote(services, demo_gguf, transport):
     g = GGUFFile(demo_gguf)
@@ -126,6 +129,7 @@ def test_same_logits_in_process_and_remote(services, demo_gguf, transport):
     assert no_regions_left()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_same_logits_on_the_llama_cpp_fixture(services, transport):
     if services.fixture_path is None:
@@ -137,6 +141,7 @@ def test_same_logits_on_the_llama_cpp_fixture(services, transport):
     assert (got - logits(path, InProcessExperts(g))).abs().max() <= 1e-5
 
 
+@pytest.mark.stack
 def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     hidden, ids, weights = routing(7, seed=5)
@@ -152,6 +157,7 @@ def test_bfloat16_hidden_states_are_summed_in_float32(services, demo_gguf):
     torch.testing.assert_close(got, one_process, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_two_layer_calls_in_flight_give_what_forward_gives(services, demo_gguf, transport):
     g = GGUFFile(demo_gguf)
@@ -166,6 +172,7 @@ def test_two_layer_calls_in_flight_give_what_forward_gives(services, demo_gguf, 
         assert {s.num_hops for s in backend.stats().values()} == {8}  # every call needs both services
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_micro_batched_steps_against_real_services(services, demo_gguf, transport):
     g = GGUFFile(demo_gguf)
@@ -180,6 +187,7 @@ def test_micro_batched_steps_against_real_services(services, demo_gguf, transpor
     assert hops == {4}  # 2 MoE layers x 2 micro-batches
 
 
+@pytest.mark.stack
 def test_only_routed_rows_are_sent(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     hidden, _, weights = routing(6)
@@ -193,6 +201,7 @@ def test_only_routed_rows_are_sent(services, demo_gguf):
 
 # ---- placement ------------------------------------------------------------------------------
 
+@pytest.mark.stack
 def test_tokens_per_expert_match_the_routing_sent(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     hidden, ids, weights = routing(40, seed=1)
@@ -205,6 +214,7 @@ def test_tokens_per_expert_match_the_routing_sent(services, demo_gguf):
     assert all(after[k] == before.get(k, 0) for k in after if k.layer == 0)
 
 
+@pytest.mark.stack
 def test_local_layers_are_never_sent(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     with remote(g, services.address("low"), services.address("high"), local_layers=1) as backend:
@@ -217,6 +227,7 @@ def test_local_layers_are_never_sent(services, demo_gguf):
     assert all(after[k] == before[k] for k in after if k.layer == 0)
 
 
+@pytest.mark.stack
 def test_unassigned_services_get_the_experts_split_evenly(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     with remote(g, services.address("spare1"), services.address("spare2")) as backend:
@@ -226,6 +237,7 @@ def test_unassigned_services_get_the_experts_split_evenly(services, demo_gguf):
     assert (got - logits(demo_gguf, InProcessExperts(g))).abs().max() <= 1e-5
 
 
+@pytest.mark.stack
 def test_startup_fails_with_one_line_when_experts_have_no_service(services, demo_gguf):
     with pytest.raises(ExpertsUnavailable) as e:
         with remote(GGUFFile(demo_gguf), services.address("low")):
@@ -243,6 +255,7 @@ def test_startup_fails_with_one_line_when_a_service_never_answers(demo_gguf):
     assert time.monotonic() - start_s < 5
 
 
+@pytest.mark.stack
 def test_startup_without_the_cluster_secret_fails_with_one_line_saying_so(services, demo_gguf):
     low = services.address("low")
     with pytest.raises(ExpertsUnavailable) as e:
@@ -270,6 +283,7 @@ def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
 
 # ---- replicas -------------------------------------------------------------------------------
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_a_hung_replica_costs_a_layer_call_its_learned_budget_not_the_deadline(services, demo_gguf, transport):
     g = GGUFFile(demo_gguf)
@@ -304,6 +318,7 @@ def test_a_hung_replica_costs_a_layer_call_its_learned_budget_not_the_deadline(s
         assert torch.equal(backend.forward(0, hidden, ids, weights), expected[0])
 
 
+@pytest.mark.stack
 def test_replica_killed_mid_request_is_retried_on_another(services, demo_gguf):
     g = GGUFFile(demo_gguf)
     expected = logits(demo_gguf, InProcessExperts(g))

@@ -30,7 +30,7 @@ from tests.support.cpu_paths import EVERY_PATH, forced_path
 from tests.support.fixture_refs import FLIPPED, MEDIAN_BOUND, per_position_rel_l2
 from tests.support.hf_reference import recorded_routes
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "fidelity"
+DATA = Path(__file__).resolve().parents[2] / "data" / "fidelity"
 REFERENCES = json.loads((DATA / "references.json").read_text())
 FILES = sorted(REFERENCES["files"])
 # Top-1 ids of the reference are compared where its two best logits are further apart than float32

@@ -40,10 +40,16 @@ def test_frequency_penalty_moves_away_from_repeats():
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(temperature=2.5), dict(top_p=0.0),
                                  dict(top_logprobs=21), dict(presence_penalty=3.0), dict(top_k=-2),
-                                 dict(repetition_penalty=0.0), dict(repetition_penalty=2.5)])
+                                 dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0),
+                                 dict(repetition_penalty=float("inf")), dict(repetition_penalty=float("nan"))])
 def test_out_of_range_options_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingOptions(**bad)
+
+
+def test_any_positive_repetition_penalty_is_taken_as_vllm_and_llama_cpp_take_it():
+    for penalty in (0.05, 2.5, 10.0):
+        assert SamplingOptions(repetition_penalty=penalty).repetition_penalty == penalty
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():

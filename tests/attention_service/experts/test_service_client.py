@@ -21,7 +21,10 @@ from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from tests.support.expert_services import ExpertServices
 from tests.support.processes import CLUSTER, cluster_channel
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+    pytest.mark.stack,  # real `splitmoe serve-experts` processes
+]
 TIMEOUT_S = 1.0
 FAST = dict(expert_timeout_s=TIMEOUT_S, connect_timeout_s=0.5, reconnect_interval_s=0.2, security=CLUSTER)
 

@@ -7,7 +7,7 @@ import torch
 from splitmoe.attention_service.engine.grammar import GrammarCompiler, StructuredOutput
 from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
 from splitmoe.attention_service.engine.token_mask import TokenMasks
-from tests.attention_service.test_reasoning import make_tokenizer
+from tests.attention_service.engine.test_reasoning import make_tokenizer
 
 DIGITS = {ord(c) for c in "0123456789"}
 

@@ -137,6 +137,7 @@ def stack(mixed_model, tmp_path_factory):
         yield s
 
 
+@pytest.mark.stack
 def test_mixed_file_through_the_stack_gives_transformers_logprobs(stack, mixed_model):
     """Gateway -> serve-attention (float32) -> two serve-experts: each prompt token's logprob."""
     path, ids, reference = mixed_model
@@ -163,6 +164,7 @@ def remote_logits(stack, path, ids, dtype: str) -> np.ndarray:
         experts.close()
 
 
+@pytest.mark.stack
 def test_mixed_file_through_expert_services_matches_transformers(stack, mixed_model, monkeypatch):
     """bfloat16 hidden states take the services' fast path (native where all three matrices of an
     expert are, else dequantize-once GEMMs) and the attention side's quantized linears."""

@@ -5,7 +5,7 @@ import pytest
 
 from splitmoe.attention_service.engine.grammar import GrammarCompiler, StructuredOutput
 from splitmoe.attention_service.engine.token_mask import TokenMasks
-from tests.attention_service.test_reasoning import make_tokenizer
+from tests.attention_service.engine.test_reasoning import make_tokenizer
 
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
                      "required": ["n", "s"], "additionalProperties": False})

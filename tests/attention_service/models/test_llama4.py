@@ -25,7 +25,7 @@ from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.modelfile.architectures import LLAMA4
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
-from tests.attention_service.test_native_decode import checked_decode, decode
+from tests.attention_service.model.test_native_decode import checked_decode, decode
 from tests.support.expert_services import ExpertServices
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp
 from tests.support.gguf_edit import rewrite_gguf
@@ -45,7 +45,7 @@ def prompt_ids(fixtures_dir) -> list[list[int]]:
     return [p["ids"] for p in json.loads((fixtures_dir / "prompts.json").read_text())["prompts"]]
 
 
-# Logits against the references: tests/attention_service/test_fixtures.py, with the other families.
+# Logits against the references: tests/attention_service/model/test_fixtures.py, with the other families.
 
 
 def test_converter_matches_llama_cpp(fixtures_dir, tmp_path):
@@ -240,6 +240,7 @@ def test_micro_batches_give_the_unsplit_logits(tiny):
     assert (run(2) - run(1)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 def test_remote_experts_give_the_in_process_logits(tiny, tmp_path, transport):
     ids, ref, path = tiny

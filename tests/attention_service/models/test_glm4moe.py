@@ -20,7 +20,7 @@ from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
 from splitmoe.modelfile.experts import ExpertShard, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
-from tests.attention_service.test_native_front import check as check_native_front
+from tests.attention_service.model.test_native_front import check as check_native_front
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp
 from tests.support.gguf_edit import rewrite_gguf
 from tests.support.hf_reference import build_model, hf_logits, max_abs, splitmoe_logits, token_ids
@@ -37,7 +37,7 @@ def prompt_ids(fixtures_dir) -> list[list[int]]:
     return [p["ids"] for p in json.loads((fixtures_dir / "prompts.json").read_text())["prompts"]]
 
 
-# Logits against the references: tests/attention_service/test_fixtures.py, with the other families.
+# Logits against the references: tests/attention_service/model/test_fixtures.py, with the other families.
 
 
 def test_converter_matches_llama_cpp(fixtures_dir, tmp_path):

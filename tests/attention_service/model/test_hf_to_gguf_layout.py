@@ -16,7 +16,7 @@ import pytest
 from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
 from tests.support.hf_to_gguf import F32, Q8_0, convert, load_checkpoint
 
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3].parent / "shared" / "fixtures"
 pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"llama.cpp fixtures not found at {FIXTURES}")
 
 # arch dir -> the llama.cpp GGUF to compare with (only qwen3moe ships an f32 one).

@@ -26,7 +26,7 @@ from splitmoe.attention_service.engine.tool_calls import (
 from splitmoe.attention_service.engine.tool_calls.base import Parsed, ToolCall, assemble, parse_whole
 from splitmoe.attention_service.engine.tool_calls.forced import NamedCall, RequiredCalls
 from splitmoe.modelfile.chat_template import ChatTemplate
-from tests.attention_service.test_reasoning import make_tokenizer
+from tests.attention_service.engine.test_reasoning import make_tokenizer
 from tests.modelfile.test_chat_template import QWEN3
 from tests.support.processes import REPO
 

@@ -20,7 +20,10 @@ from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.expert_services import ExpertServices, remote_experts
 
-pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+    pytest.mark.stack,  # real `splitmoe serve-experts` processes
+]
 OPTIONS = RunnerOptions(device=torch.device("cpu"), kv_cache_tokens=512)
 EXPERT_TIMEOUT_S = 10.0
 PROMPTS = [[5, 17, 30, 42, 7, 99], [250, 3, 11, 64], [128, 200, 271, 0, 9], [1, 2, 3]]

@@ -7,7 +7,7 @@ import torch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.cli import main
-from tests.attention_service.test_fixtures import (
+from tests.attention_service.model.test_fixtures import (
     AGGREGATE_ARCHS,
     ARCHS,
     FLIPPED,
