@@ -33,7 +33,7 @@ SOURCES = [
     "kernels/csrc/attention_avx2.cpp",
     "kernels/csrc/attention_avx512.cpp",
     "kernels/csrc/decode_layer.cpp",
-    "kernels/csrc/hop_server.cpp",
+    "expert_service/csrc/hop_server.cpp",  # the doorbell's C++ loop, beside expert_service/doorbell.py
     "kernels/csrc/repack.cpp",
 ]
 
@@ -45,6 +45,7 @@ if (sys.platform.startswith("linux") or sys.platform == "darwin") and os.environ
         Extension(
             "splitmoe.kernels._native",
             sources=SOURCES,
+            include_dirs=["kernels/csrc"],  # smk.h, for the sources outside kernels/ too
             depends=["kernels/csrc/smk.h", "kernels/csrc/iq_grids.h", "kernels/csrc/dot_avx512.inc", "kernels/csrc/attention.inc",
                      "kernels/csrc/attention_tiled.inc"],
             language="c++",

@@ -32,8 +32,8 @@ from gguf import GGMLQuantizationType as T
 
 from splitmoe.demo_model import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, byte_level_vocab
 from splitmoe.kernels import iq_grids
+from splitmoe.kernels.decode_layer import QkNorm
 
-QK_NORM_NONE, QK_NORM_PER_HEAD, QK_NORM_FULL = "none", "per_head", "full"
 # A benchmark file keeps one of the real model's leading dense layers (DeepSeek-V3 has 3), so that
 # a file of 2-3 layers is one dense layer followed by MoE layers: what the experts' side measures.
 BENCH_DENSE_LAYERS = 1
@@ -78,7 +78,7 @@ class Shape:
     context: int
     rope_theta: float
     norm_eps: float
-    qk_norm: str  # per head (Qwen3), over the whole projection (OLMoE), or none
+    qk_norm: QkNorm  # per head (Qwen3), over the whole projection (OLMoE), or none
     tokenizer_pre: str
     leading_dense: int = 0  # the real model's leading dense layers (a file keeps BENCH_DENSE_LAYERS)
     shared_experts: int = 0  # each as wide as a routed one (DeepSeek's expert_shared_count)
@@ -97,21 +97,21 @@ class Shape:
 
 SHAPES = {
     "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 768, 6144, 151936, 40960, 1e6, 1e-6,
-                           QK_NORM_PER_HEAD, "qwen2"),
+                           QkNorm.PER_HEAD, "qwen2"),
     # Qwen3-235B-A22B's config.json (94 layers; 12288 is stated though no layer is dense).
     "qwen3-235b-a22b": Shape("qwen3moe", 94, 4096, 64, 4, 128, 128, 8, 1536, 12288, 151936, 40960, 1e6, 1e-6,
-                             QK_NORM_PER_HEAD, "qwen2"),
+                             QkNorm.PER_HEAD, "qwen2"),
     "olmoe-1b-7b": Shape("olmoe", 16, 2048, 16, 16, 128, 64, 8, 1024, 1024, 50304, 4096, 1e4, 1e-5,
-                         QK_NORM_FULL, "olmo"),
+                         QkNorm.FULL, "olmo"),
     # openai/gpt-oss-120b's config.json, as llama.cpp's converter writes it (attention/vram.py's
     # GPT_OSS_120B): 64 heads of 64 over a hidden 2880, YaRN x32 over 4096 with betas 32/1.
     "gpt-oss-120b": Shape("gpt-oss", 36, 2880, 64, 8, 64, 128, 4, 2880, 2880, 201088, 131072, 150000.0, 1e-5,
-                          QK_NORM_NONE, "gpt-4o", biases=True, sinks=True, sliding_window=128,
+                          QkNorm.NONE, "gpt-4o", biases=True, sinks=True, sliding_window=128,
                           ffn_norm="post_attention_norm", rope_scaling=Yarn(32.0, 4096)),
     # deepseek-ai/DeepSeek-V3's config.json (R1 has the same shape); head_dim is MLA's absorbed key
     # (kv_lora + rope) and one kv head, as the converter writes MLA. The MTP layer is not written.
     "deepseek-v3": Shape("deepseek2", 61, 7168, 128, 1, 576, 256, 8, 2048, 18432, 129280, 163840, 10000.0, 1e-6,
-                         QK_NORM_NONE, "deepseek-v3", leading_dense=3, shared_experts=1, expert_groups=8,
+                         QkNorm.NONE, "deepseek-v3", leading_dense=3, shared_experts=1, expert_groups=8,
                          expert_groups_used=4, sigmoid_gating=True, expert_weights_norm=True,
                          expert_weights_scale=2.5, rope_scaling=Yarn(40.0, 4096, 0.1), mla=MLA(1536, 512, 128, 64, 128)),
 }
@@ -279,8 +279,8 @@ def _gqa(s: Shape, p: str, spec: Spec) -> list[TensorSpec]:
         out.append(spec(f"{p}{name}.weight", rows, d))
         if s.biases:
             out.append(spec(f"{p}{name}.bias", rows, std=BIAS_STD))
-    if s.qk_norm != QK_NORM_NONE:
-        q_norm, k_norm = (q, kv) if s.qk_norm == QK_NORM_FULL else (hd, hd)
+    if s.qk_norm != QkNorm.NONE:
+        q_norm, k_norm = (q, kv) if s.qk_norm == QkNorm.FULL else (hd, hd)
         out += [_norm(spec, p + "attn_q_norm.weight", q_norm), _norm(spec, p + "attn_k_norm.weight", k_norm)]
     out.append(spec(p + "attn_output.weight", d, q))
     if s.biases:

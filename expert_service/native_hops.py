@@ -1,4 +1,4 @@
-"""The shared-memory hop loop in C++ (kernels/csrc/hop_server.cpp): what it needs from Python.
+"""The shared-memory hop loop in C++ (expert_service/csrc/hop_server.cpp): what it needs from Python.
 
 `NativeHops` is the process's: the hosted layers the loop may run itself (each one whose hosted
 experts all have native kernels), replaced whole when the shard changes, and the counters it adds

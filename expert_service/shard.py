@@ -2,7 +2,10 @@
 
 Wraps `modelfile.experts.ExpertShard` (memory-mapped views: building one touches no expert
 bytes) so that LoadShard can replace it while streams are open: a request reads the current
-shard once and finishes on it. Token counts are kept per (layer, expert) for load statistics.
+shard once and finishes on it. Its `forward` is `kernels.expert_kernels.ExpertCompute`'s, where
+each hop takes the fast path or the float32 reference (the attention side's in-process experts
+compute the same way, so the choice lives in kernels/). Token counts are kept per (layer,
+expert) for load statistics.
 
 The shard's fast path (bfloat16/float16 requests) is prepared when the shard is built, not at
 the first request: with the native kernels that is cheap (pointers into the mmap); without

@@ -9,6 +9,7 @@ more than its arithmetic on a decode step's few rows. `AttentionFront` is built 
 from __future__ import annotations
 
 import ctypes
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,15 @@ from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import AttentionContext
 from splitmoe.kernels.linear import QuantLinear
 
-_QK_NORMS = {"none": 0, "per_head": 1, "full": 2}
+
+class QkNorm(enum.IntEnum):
+    """The RMSNorm of q and k after projection, if any. The values are csrc/decode_layer.cpp's
+    `qk_norm` field: the architectures (modelfile/architectures) name these members, not copies."""
+    NONE = 0
+    PER_HEAD = 1  # one [Dk] weight shared by the heads (Qwen3, GLM-4.5)
+    FULL = 2  # over the whole projection: [H*Dk] for q, [G*Dk] for k (OLMoE)
+
+
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 30}
 _P = ctypes.c_void_p
 
@@ -85,7 +94,7 @@ class AttentionFront:
 
     def __init__(self, *, eps: float, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, q: QuantLinear,
                  k: QuantLinear, v: QuantLinear, o: QuantLinear, heads: int, kv_heads: int, head_dim: int,
-                 value_dim: int, biases: tuple = (None, None, None, None), qk_norm: str = "none",
+                 value_dim: int, biases: tuple = (None, None, None, None), qk_norm: QkNorm = QkNorm.NONE,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, rope_dims: int = 0,
                  rope_interleaved: bool = False, scale: float = 1.0, window: int = 0,
                  sinks: torch.Tensor | None = None, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -93,7 +102,7 @@ class AttentionFront:
         if not native.AVAILABLE:
             raise RuntimeError(f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
         D, H, G, Dk, Dv = o.out_features, heads, kv_heads, head_dim, value_dim
-        if H % G or rope_dims % 2 or rope_dims > min(Dk, 1024) or qk_norm not in _QK_NORMS:
+        if H % G or rope_dims % 2 or rope_dims > min(Dk, 1024) or not isinstance(qk_norm, QkNorm):
             raise ValueError(f"attention front: heads {H}/{G}, rope dims {rope_dims} of {Dk}, qk norm {qk_norm!r}")
         self.hidden_size, self.num_experts = D, 0 if router is None else router.shape[0]
         keep: list = []  # everything the C side points into
@@ -106,8 +115,8 @@ class AttentionFront:
             keep.extend((w, kw, b))
             return _QuantLinear(kw.address, kw.stride, kw.type_field, rows, cols, _ptr(b))
 
-        heads_q = {"none": None, "per_head": (Dk,), "full": (H * Dk,)}[qk_norm]
-        heads_k = {"none": None, "per_head": (Dk,), "full": (G * Dk,)}[qk_norm]
+        heads_q = {QkNorm.NONE: None, QkNorm.PER_HEAD: (Dk,), QkNorm.FULL: (H * Dk,)}[qk_norm]
+        heads_k = {QkNorm.NONE: None, QkNorm.PER_HEAD: (Dk,), QkNorm.FULL: (G * Dk,)}[qk_norm]
         norms = [_f32(attn_norm, (D,), "attn_norm"), _f32(ffn_norm, (D,), "ffn_norm"),
                  _f32(q_norm, heads_q, "q_norm") if heads_q else None, _f32(k_norm, heads_k, "k_norm") if heads_k else None,
                  _f32(sinks, (H,), "sinks"), _f32(router, (self.num_experts, D), "router"),
@@ -127,7 +136,7 @@ class AttentionFront:
         self._struct = _AttnLayer(
             D, H, G, Dk, Dv, eps, _ptr(norms[0]), _ptr(norms[1]),
             lin(q, H * Dk, D, qb, "q"), lin(k, G * Dk, D, kb, "k"), lin(v, G * Dv, D, vb, "v"),
-            lin(o, D, H * Dv, ob, "output"), _QK_NORMS[qk_norm], _ptr(norms[2]), _ptr(norms[3]), rope_dims,
+            lin(o, D, H * Dv, ob, "output"), int(qk_norm), _ptr(norms[2]), _ptr(norms[3]), rope_dims,
             int(rope_interleaved), scale, window, _ptr(norms[4]), k_pool.data_ptr(), v_pool.data_ptr(),
             k_pool.stride(1), k_pool.stride(0), v_pool.stride(1), v_pool.stride(0), _KV_TYPES[k_pool.dtype],
             _ptr(norms[5]), _ptr(norms[6]), self.num_experts)

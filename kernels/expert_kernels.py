@@ -15,24 +15,28 @@ CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), else float32 (emulated b
 2-3x slower than float32); SPLITMOE_GEMM_DTYPE forces either.
 Accumulation and the output sum are float32; the result is returned in `hidden.dtype`.
 
-Float32 hidden states never come here: `modelfile.experts.ExpertShard` keeps them on the exact
-reference path (`kernels.moe.moe_forward`).
+`ExpertCompute` (below) is where a call chooses: float32 hidden states take the exact reference
+path (`kernels.moe.moe_forward`), bfloat16 / float16 ones the fast path, built once per set of
+hosted experts. Both services compute through it (the expert service's shard, and the attention
+side's in-process, local and hot experts), so the choice lives here, beside the kernels, not in
+the file reader (`modelfile.experts.ExpertShard` builds on it) nor in one service.
 """
 from __future__ import annotations
 
 import logging
 import math
 import threading
-from typing import Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.cpu_features import gemm_dtype
-from splitmoe.kernels.int4pack import Int4Expert
-from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert
+from splitmoe.kernels.int4pack import Int4Expert, can_repack
+from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert, moe_forward
 from splitmoe.kernels.quants import QuantTensor
 from splitmoe.kernels.quants import dequantize as ref_dequantize
+from splitmoe.kernels.repack_cache import RepackCache, load_or_repack
 from splitmoe.kernels.torch_threads import configured_threads
 
 try:
@@ -269,3 +273,110 @@ def _fused_biases(ffn: ExpertFFN) -> tuple[torch.Tensor | None, torch.Tensor | N
         gate_up = torch.cat([zeros if b is None else b.float().reshape(f) for b in (ffn.gate_bias, ffn.up_bias)])
     down = None if ffn.down_bias is None else ffn.down_bias.float().contiguous()
     return gate_up, down
+
+
+# ---- the choice per call: reference or fast path -------------------------------------------------
+
+FAST_DTYPES = (torch.bfloat16, torch.float16)
+# (layer, its experts to repack) -> the identity of their bytes in the repack cache (the file's to say)
+RepackIdentity = Callable[[int, Iterable[int]], str]
+
+
+class ExpertCompute:
+    """The expert FFN over hosted (layer, expert) pairs: exact float32, or the fast path.
+
+    `ffns`: layer -> expert -> its `ExpertFFN` (views of a file: nothing read until used);
+    `repack_identity` and `model_name` key the int4 repack cache, used only without native kernels.
+    """
+
+    def __init__(self, ffns: Mapping[int, Mapping[int, ExpertFFN]], num_experts: int,
+                 repack_identity: RepackIdentity, model_name: str, repack_cache: RepackCache | None = None):
+        self._ffns = ffns
+        self.num_experts = num_experts
+        self._repack_identity, self._model_name, self.repack_cache = repack_identity, model_name, repack_cache
+        self._fast: dict[int, FastMoELayer] | None = None
+        self._fast_lock = threading.Lock()
+
+    def prepare_fast(self, progress: bool | None = None) -> dict[int, FastMoELayer]:
+        """Build the fast path of every hosted layer now (once; later calls return it).
+
+        `progress`: the int4 repack's progress bar on stderr (None: when stderr is a terminal).
+        """
+        fast = self._fast
+        if fast is None:
+            with self._fast_lock:
+                if self._fast is None:
+                    self._fast = build_fast_layers(self._ffns, self.num_experts, self._repack_identity,
+                                                   self._model_name, cache=self.repack_cache, progress=progress)
+                fast = self._fast
+        return fast
+
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                expert_weights: torch.Tensor) -> torch.Tensor:
+        """The hosted experts' part of the layer's expert sum; ids not hosted here add nothing.
+
+        bfloat16/float16 `hidden` take the fast path, any other dtype the exact float32 reference.
+        """
+        ffns = self._ffns.get(layer)
+        if ffns is None:
+            raise KeyError(f"layer {layer} is not in this shard ({format_ranges('layers', self._ffns)})")
+        if hidden.dtype in FAST_DTYPES:
+            return self.prepare_fast()[layer].forward(hidden, expert_ids, expert_weights)
+        return moe_forward(hidden, expert_ids, expert_weights, ffns)
+
+
+def build_fast_layers(ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]], num_experts: int,
+                      repack_identity: RepackIdentity, model_name: str, *, use_native: bool = True,
+                      cache: RepackCache | None = None, progress: bool | None = None) -> dict[int, FastMoELayer]:
+    """Every layer's `FastMoELayer`: native where the kernels can run the expert, else int4-repacked
+    (Q4_0/Q4_1/Q4_K, from/into `cache`; None: no disk cache) or dequantized per call."""
+    sync_native_threads()
+    use_native = use_native and native_available()
+    native_ok = {layer: {e for e, f in ffns.items() if use_native and native_supports(f)}
+                 for layer, ffns in ffns_by_layer.items()}
+    to_repack = {layer: {e: f for e, f in ffns.items() if e not in native_ok[layer] and can_repack(f)}
+                 for layer, ffns in ffns_by_layer.items()}
+    int4: dict[int, dict] = {}
+    if any(to_repack.values()):
+        identities = {layer: repack_identity(layer, fs) for layer, fs in to_repack.items() if fs}
+        int4 = load_or_repack({layer: fs for layer, fs in to_repack.items() if fs}, identities, model_name,
+                              cache, progress)
+    fast = {layer: FastMoELayer(ffns, num_experts, int4=int4.get(layer), use_native=use_native)
+            for layer, ffns in ffns_by_layer.items()}
+    _log_fast_path(fast, ffns_by_layer, use_native)
+    return fast
+
+
+def _log_fast_path(fast: Mapping[int, FastMoELayer], ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]],
+                   use_native: bool) -> None:
+    total = sum(len(f) for f in ffns_by_layer.values())
+    if not total:
+        return
+    n_native = sum(layer.native_experts for layer in fast.values())
+    n_int4 = sum(len(layer.int4) for layer in fast.values())
+    n_dense = total - n_native - n_int4
+    dtype = gemm_dtype()
+    if use_native:
+        how = (f"native kernels ({native.isa()}, {native.get_num_threads()} threads) on {n_native} experts, "
+               f"read in place from the GGUF, nothing repacked, up to {NATIVE_MAX_TOKENS.get(dtype, 0)} "
+               f"tokens per expert")
+    else:
+        how = (f"pure torch, native kernels unavailable ({native_unavailable_reason() or 'disabled'}): "
+               f"{n_int4} Q4 experts int4-repacked, torch's int4 kernel up to {INT4_MAX_TOKENS} tokens per expert")
+    others = f"; {n_dense} experts of other types dequantized per call" if n_dense else ""
+    log.info("expert fast path (bfloat16/float16 requests), %d experts in %s: %s%s; more tokens per expert: "
+             "dequantize once to %s, gate+up fused GEMM", total, format_ranges("layers", fast), how, others,
+             str(dtype).removeprefix("torch."))
+
+
+def format_ranges(what: str, values: Iterable[int]) -> str:
+    """'layers 0-3,7': compact, for one-line messages."""
+    values = sorted(values)
+    if not values:
+        return f"no {what}"
+    spans, start = [], values[0]
+    for prev, cur in zip(values, [*values[1:], None]):
+        if cur is None or cur != prev + 1:
+            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = cur
+    return f"{what} {','.join(spans)}"

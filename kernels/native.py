@@ -578,7 +578,7 @@ class MoELayer:
 
     def pointers(self) -> tuple[int, int]:
         """(the expert table's address, the expert index's address), for native callers that run this
-        layer themselves (kernels/csrc/hop_server.cpp); valid while this object lives."""
+        layer themselves (expert_service/csrc/hop_server.cpp); valid while this object lives."""
         return ctypes.addressof(self._table), _ptr(self._index)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,

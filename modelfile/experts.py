@@ -5,31 +5,26 @@ Two file layouts exist: one 3-D tensor per matrix and layer (`blk.N.ffn_gate_exp
 (`blk.N.ffn_gate.E.weight`). Both become per-expert `ExpertFFN` views of the mmap: building a
 shard copies nothing and touches only the pages its experts' bytes live in, when they are used.
 
-A shard computes float32 hidden states on the exact reference path (`kernels.moe.moe_forward`)
-and bfloat16 / float16 ones on the fast path (`kernels.expert_kernels`), prepared once per shard:
-at the first such call, or up front with `ExpertShard.prepare_fast()`.
+This package only reads: how a shard computes (float32 on the exact reference path, bfloat16 /
+float16 on the fast path, prepared once) is `kernels.expert_kernels.ExpertCompute`, which
+`ExpertShard` builds on, for both services.
 """
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
-from splitmoe.kernels import expert_kernels as ek
-from splitmoe.kernels.cpu_features import gemm_dtype
-from splitmoe.kernels.int4pack import can_repack
-from splitmoe.kernels.moe import ExpertFFN, moe_forward
+from splitmoe.kernels.expert_kernels import ExpertCompute, format_ranges
+from splitmoe.kernels.moe import ExpertFFN
 from splitmoe.kernels.quants import QuantTensor, dequantize
-from splitmoe.kernels.repack_cache import RepackCache, load_or_repack, tensor_digest
+from splitmoe.kernels.repack_cache import RepackCache, tensor_digest
 from splitmoe.modelfile.architectures import architecture
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 
-log = logging.getLogger("splitmoe.experts")
-_FAST_DTYPES = (torch.bfloat16, torch.float16)
-
+__all__ = ["ExpertKey", "ExpertShard", "ExpertTokenCounts", "expert_count", "expert_tensor_names", "format_ranges",
+           "load_layer_experts", "moe_layers", "repack_identity"]
 _MATRICES = ("gate", "up", "down")
 
 
@@ -95,54 +90,9 @@ def _layer_tensors(g: GGUFFile, layer: int, experts: Iterable[int]) -> list[Quan
     return [g.tensor(f"blk.{layer}.ffn_{m}.{e}.weight") for e in sorted(experts) for m in _MATRICES]
 
 
-def build_fast_layers(g: GGUFFile, ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]], *,
-                      use_native: bool = True, cache: RepackCache | None = None,
-                      progress: bool | None = None) -> dict[int, ek.FastMoELayer]:
-    """Every layer's `FastMoELayer`: native where the kernels can run the expert, else int4-repacked
-    (Q4_0/Q4_1/Q4_K, from/into `cache`; None: no disk cache) or dequantized per call."""
-    ek.sync_native_threads()
-    use_native = use_native and ek.native_available()
-    num_experts = expert_count(g)
-    native_ok = {layer: {e for e, f in ffns.items() if use_native and ek.native_supports(f)}
-                 for layer, ffns in ffns_by_layer.items()}
-    to_repack = {layer: {e: f for e, f in ffns.items() if e not in native_ok[layer] and can_repack(f)}
-                 for layer, ffns in ffns_by_layer.items()}
-    int4: dict[int, dict] = {}
-    if any(to_repack.values()):
-        identities = {layer: f"{g.file_id}|{tensor_digest(_layer_tensors(g, layer, fs))}"
-                      for layer, fs in to_repack.items() if fs}
-        int4 = load_or_repack({layer: fs for layer, fs in to_repack.items() if fs}, identities, g.path.name,
-                              cache, progress)
-    fast = {layer: ek.FastMoELayer(ffns, num_experts, int4=int4.get(layer), use_native=use_native)
-            for layer, ffns in ffns_by_layer.items()}
-    _log_fast_path(fast, ffns_by_layer, use_native)
-    return fast
-
-
-def _log_fast_path(fast: Mapping[int, ek.FastMoELayer], ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]],
-                   use_native: bool) -> None:
-    total = sum(len(f) for f in ffns_by_layer.values())
-    if not total:
-        return
-    n_native = sum(layer.native_experts for layer in fast.values())
-    n_int4 = sum(len(layer.int4) for layer in fast.values())
-    n_dense = total - n_native - n_int4
-    dtype = gemm_dtype()
-    if use_native:
-        how = (f"native kernels ({ek.native.isa()}, {ek.native.get_num_threads()} threads) on {n_native} experts, "
-               f"read in place from the GGUF, nothing repacked, up to {ek.NATIVE_MAX_TOKENS.get(dtype, 0)} "
-               f"tokens per expert")
-    else:
-        how = (f"pure torch, native kernels unavailable ({ek.native_unavailable_reason() or 'disabled'}): "
-               f"{n_int4} Q4 experts int4-repacked, torch's int4 kernel up to {ek.INT4_MAX_TOKENS} tokens per expert")
-    others = f"; {n_dense} experts of other types dequantized per call" if n_dense else ""
-    log.info("expert fast path (bfloat16/float16 requests), %d experts in %s: %s%s; more tokens per expert: "
-             "dequantize once to %s, gate+up fused GEMM", total, format_ranges("layers", fast), how, others,
-             str(dtype).removeprefix("torch."))
-
-
-class ExpertShard:
-    """The (layer, expert) pairs one process hosts, and the expert FFN over them."""
+class ExpertShard(ExpertCompute):
+    """The (layer, expert) pairs one process hosts, read from the file; computing them (the choice
+    between the float32 reference and the fast path) is `kernels.expert_kernels.ExpertCompute`'s."""
 
     def __init__(self, g: GGUFFile, layers: Iterable[int] | None = None, experts: Iterable[int] | None = None, *,
                  repack_cache: RepackCache | None = None, by_layer: Mapping[int, Iterable[int]] | None = None):
@@ -155,23 +105,9 @@ class ExpertShard:
         self.by_layer = {layer: tuple(sorted(set(es))) for layer, es in sorted(by_layer.items()) if es}
         self.layers = list(self.by_layer)
         self.experts = sorted({e for es in self.by_layer.values() for e in es})  # their union
-        self._ffns = {layer: load_layer_experts(g, layer, es) for layer, es in self.by_layer.items()}
-        self._g, self.repack_cache = g, repack_cache
-        self._fast: dict[int, ek.FastMoELayer] | None = None
-        self._fast_lock = threading.Lock()
-
-    def prepare_fast(self, progress: bool | None = None) -> dict[int, ek.FastMoELayer]:
-        """Build the fast path of every hosted layer now (once; later calls return it).
-
-        `progress`: the int4 repack's progress bar on stderr (None: when stderr is a terminal).
-        """
-        fast = self._fast
-        if fast is None:
-            with self._fast_lock:
-                if self._fast is None:
-                    self._fast = build_fast_layers(self._g, self._ffns, cache=self.repack_cache, progress=progress)
-                fast = self._fast
-        return fast
+        ffns = {layer: load_layer_experts(g, layer, es) for layer, es in self.by_layer.items()}
+        super().__init__(ffns, expert_count(g), lambda layer, es: repack_identity(g, layer, es), g.path.name,
+                         repack_cache)
 
     def keys(self) -> list[ExpertKey]:
         return [ExpertKey(layer, e) for layer, es in self.by_layer.items() for e in es]
@@ -183,31 +119,10 @@ class ExpertShard:
     def num_bytes(self) -> int:
         return sum(f.num_bytes for layer in self._ffns.values() for f in layer.values())
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                expert_weights: torch.Tensor) -> torch.Tensor:
-        """This shard's part of the layer's expert sum; ids it does not host add nothing.
 
-        bfloat16/float16 `hidden` take the fast path, any other dtype the exact float32 reference.
-        """
-        ffns = self._ffns.get(layer)
-        if ffns is None:
-            raise KeyError(f"layer {layer} is not in this shard ({format_ranges('layers', self.layers)})")
-        if hidden.dtype in _FAST_DTYPES:
-            return self.prepare_fast()[layer].forward(hidden, expert_ids, expert_weights)
-        return moe_forward(hidden, expert_ids, expert_weights, ffns)
-
-
-def format_ranges(what: str, values: Iterable[int]) -> str:
-    """'layers 0-3,7': compact, for one-line messages."""
-    values = sorted(values)
-    if not values:
-        return f"no {what}"
-    spans, start = [], values[0]
-    for prev, cur in zip(values, [*values[1:], None]):
-        if cur is None or cur != prev + 1:
-            spans.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = cur
-    return f"{what} {','.join(spans)}"
+def repack_identity(g: GGUFFile, layer: int, experts: Iterable[int]) -> str:
+    """What the repack cache knows a layer's repacked experts by: the file and its bytes' fingerprint."""
+    return f"{g.file_id}|{tensor_digest(_layer_tensors(g, layer, experts))}"
 
 
 class ExpertTokenCounts:

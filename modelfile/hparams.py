@@ -8,8 +8,8 @@ tensors' shapes are then checked against these values where each tensor is loade
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Mapping
 
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 
@@ -19,6 +19,10 @@ _GATING_BY_CODE = {1: GATING_SOFTMAX, 2: GATING_SIGMOID}
 # The norm every layer and the output use: RMSNorm, or LayerNorm without bias (DBRX), each with its
 # own epsilon key. No file states it: llama.cpp's graph for the architecture does.
 NORM_RMS, NORM_LAYER = "rms", "layer"
+
+# A family's reading of the keys only it has (MLA, iRoPE, the clamp): the ModelConfig fields it sets,
+# given the fields every family shares (modelfile/architectures/<family>.py).
+FamilyHparams = Callable[["Reader", "ModelConfig"], Mapping[str, Any]]
 
 # The largest released models have ~128 layers, 16k-wide embeddings, 128 heads, 512 experts,
 # 262k-token vocabularies and 10M-token contexts.
@@ -66,7 +70,7 @@ class ModelConfig:
     expert_weights_norm: bool
     expert_weights_scale: float
     sliding_window_tokens: int
-    # MLA (deepseek2): q/kv LoRA ranks (q 0: no q LoRA, as V2-Lite) and each head's key (no-rope
+    # MLA (deepseek2.py): q/kv LoRA ranks (q 0: no q LoRA, as V2-Lite) and each head's key (no-rope
     # + rope) and value dims, which the file's key/value_length (the absorbed MQA view) are not.
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -76,14 +80,14 @@ class ModelConfig:
     num_expert_groups: int = 0
     num_expert_groups_used: int = 0
     norm: str = NORM_RMS
-    # q, k and v clamped to [-clamp_kqv, clamp_kqv] after projection (DBRX); 0: not clamped.
+    # q, k and v clamped to [-clamp_kqv, clamp_kqv] after projection (dbrx.py); 0: not clamped.
     clamp_kqv: float = 0.0
     # GLM-4.5's NextN/MTP blocks: the last `nextn_predict_layers` of `block_count`, which the main
     # forward pass does not run (num_layers counts only the others).
     num_nextn_layers: int = 0
-    # Llama 4: layer i is MoE when (i + 1) % moe_layer_interval == 0 (0: the file's routers decide).
+    # Llama 4 (llama4.py): layer i is MoE when (i + 1) % moe_layer_interval == 0 (0: the file's routers decide).
     moe_layer_interval: int = 0
-    # Llama 4's iRoPE (llama.cpp hard-codes it: no GGUF key; see `_irope`). Layer i has no rope
+    # Llama 4's iRoPE (llama.cpp hard-codes it: no GGUF key; see llama4.py). Layer i has no rope
     # when (i + 1) % nope_layer_interval == 0; the others attend within chunks of
     # attention_chunk_tokens; NoPE layers scale q by log(floor((pos + 1) / floor) + 1) * scale + 1.
     nope_layer_interval: int = 0
@@ -92,14 +96,16 @@ class ModelConfig:
     attention_temperature_scale: float = 0.0
 
     @classmethod
-    def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None) -> "ModelConfig":
-        """`defaults` are the architecture's values for keys its files may omit (by field name):
-        modelfile/architectures.py, whose `Architecture.config` passes them."""
+    def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None,
+                  read_family: FamilyHparams | None = None) -> "ModelConfig":
+        """`defaults` are the architecture's values for keys its files may omit (by field name), and
+        `read_family` reads the keys only its family has: modelfile/architectures/<family>.py, whose
+        `Architecture.config` passes both. Without them, the keys every family shares."""
         defaults = dict(defaults or {})
         unknown = set(defaults) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown ModelConfig defaults: {sorted(unknown)}")
-        r = _Reader(g)
+        r = Reader(g)
         norm = defaults.get("norm", NORM_RMS)
         hidden = r.integer("embedding_length", lo=1, hi=MAX_WIDTH)
         heads = r.integer("attention.head_count", lo=1, hi=MAX_HEADS)
@@ -115,7 +121,7 @@ class ModelConfig:
         num_groups = r.integer("expert_group_count", 0, hi=num_experts)
         if num_groups and num_experts % num_groups:
             r.fail("expert_group_count", num_groups, f"does not divide expert_count = {num_experts}")
-        return cls(
+        cfg = cls(
             arch=g.arch,
             num_layers=num_layers,
             hidden_size=hidden,
@@ -139,24 +145,16 @@ class ModelConfig:
             expert_weights_norm=r.flag("expert_weights_norm", defaults.get("expert_weights_norm", False)),
             expert_weights_scale=r.positive("expert_weights_scale", defaults.get("expert_weights_scale", 1.0)),
             sliding_window_tokens=r.integer("attention.sliding_window", 0, hi=MAX_CONTEXT),
-            q_lora_rank=r.integer("attention.q_lora_rank", 0, hi=MAX_WIDTH),
-            kv_lora_rank=r.integer("attention.kv_lora_rank", 0, hi=MAX_WIDTH),
-            mla_key_head_dim=r.integer("attention.key_length_mla", 0, hi=MAX_HEAD_DIM),
-            mla_value_head_dim=r.integer("attention.value_length_mla", 0, hi=MAX_HEAD_DIM),
             num_expert_groups=num_groups,
             num_expert_groups_used=r.integer("expert_group_used_count", 0, hi=num_groups),
             norm=norm,
-            # An architecture whose default is None requires the key (dbrx, as llama.cpp does).
-            clamp_kqv=r.non_negative("attention.clamp_kqv", defaults.get("clamp_kqv", 0.0)),
+            # Here, not in glm4moe.py: the expert service counts layers without knowing architectures.
             num_nextn_layers=num_nextn,
-            # An architecture whose default is None requires the key (as llama.cpp does).
-            moe_layer_interval=r.integer("interleave_moe_layer_step", defaults.get("moe_layer_interval", 0),
-                                         hi=num_layers),
-            **_irope(r, defaults, num_layers),
         )
+        return replace(cfg, **read_family(r, cfg)) if read_family else cfg
 
 
-class _Reader:
+class Reader:
     """`<arch>.<key>` values of their GGUF type and within bounds; anything else fails naming the key.
 
     A default stands for an absent key and is held to the same bounds: one derived from other
@@ -204,7 +202,7 @@ class _Reader:
         raise GGUFError(f"{self.g.path.name}: metadata key '{self.g.arch}.{key}' = {value}{absent} {why}")
 
 
-def _norm_eps(r: _Reader, norm: str) -> float:
+def _norm_eps(r: Reader, norm: str) -> float:
     if norm == NORM_LAYER:  # llama.cpp requires the key of these files
         return r.positive("attention.layer_norm_epsilon", below=1.0)
     if norm != NORM_RMS:
@@ -212,7 +210,7 @@ def _norm_eps(r: _Reader, norm: str) -> float:
     return r.positive("attention.layer_norm_rms_epsilon", 1e-6, below=1.0)
 
 
-def _vocab_size(g: GGUFFile, r: _Reader) -> int:
+def _vocab_size(g: GGUFFile, r: Reader) -> int:
     if g.arch_get("vocab_size") is not None:
         return r.integer("vocab_size", lo=1, hi=MAX_VOCAB)
     size = len(g.value("tokenizer.ggml.tokens", list))
@@ -222,7 +220,7 @@ def _vocab_size(g: GGUFFile, r: _Reader) -> int:
     return size
 
 
-def _shared_expert_ffn(r: _Reader, defaults: Mapping[str, Any]) -> int:
+def _shared_expert_ffn(r: Reader, defaults: Mapping[str, Any]) -> int:
     explicit = r.integer("expert_shared_feed_forward_length", 0, hi=MAX_WIDTH)
     if explicit:
         return explicit
@@ -232,7 +230,7 @@ def _shared_expert_ffn(r: _Reader, defaults: Mapping[str, Any]) -> int:
     return count * width or int(defaults.get("shared_expert_ffn", 0))
 
 
-def _gating(r: _Reader, defaults: Mapping[str, Any]) -> str:
+def _gating(r: Reader, defaults: Mapping[str, Any]) -> str:
     code = r.integer("expert_gating_func", 0, hi=2**64 - 1)
     if code == 0:  # absent, or llama.cpp's "none": the architecture's own
         return defaults.get("expert_gating", GATING_SOFTMAX)
@@ -241,30 +239,7 @@ def _gating(r: _Reader, defaults: Mapping[str, Any]) -> str:
     return _GATING_BY_CODE[code]
 
 
-def _irope(r: _Reader, defaults: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """Llama 4's NoPE interval, chunk and temperature: the architecture's values (llama.cpp's
-    constants), except that a file stating `attention.sliding_window` = 0 (a config whose every
-    layer is full attention) has no chunks and no temperature, and only its last layer is NoPE, as
-    llama.cpp reads it. SplitMoE's own `splitmoe.*` keys, which no converter writes, replace the
-    constants: tests use them to reach chunk and floor in a few tokens."""
-    interval = int(defaults.get("nope_layer_interval", 0))
-    if not interval:
-        return {}
-    if r.g.arch_get("attention.sliding_window") == 0:
-        return {"nope_layer_interval": num_layers}
-    return {
-        "nope_layer_interval": interval,
-        "attention_chunk_tokens": r.integer("splitmoe.attention_chunk_tokens", defaults["attention_chunk_tokens"],
-                                            lo=1, hi=MAX_CONTEXT),
-        "attention_temperature_floor_tokens": r.integer(
-            "splitmoe.attention_temperature_floor_tokens", defaults["attention_temperature_floor_tokens"],
-            lo=1, hi=MAX_CONTEXT),
-        "attention_temperature_scale": r.positive("splitmoe.attention_temperature_scale",
-                                                  defaults["attention_temperature_scale"]),
-    }
-
-
-def _rope_scaling(r: _Reader) -> RopeScaling | None:
+def _rope_scaling(r: Reader) -> RopeScaling | None:
     kind = r.text("rope.scaling.type")
     if kind in (None, "none"):
         return None

@@ -41,7 +41,8 @@ def test_a_fresh_venv_gains_only_the_splitmoe_package(tmp_path):
     package = site / "splitmoe"
     for folder in product_folders():
         assert (package / folder / "__init__.py").is_file(), folder
-    assert (package / "attention_service" / "models" / "__init__.py").is_file()  # subpackages come along
+    assert (package / "attention_service" / "model" / "__init__.py").is_file()  # subpackages come along
+    assert (package / "modelfile" / "architectures" / "__init__.py").is_file()
     assert (package / "runtime" / "__init__.py").is_file()
     assert {f.name for f in (package / "gateway" / "static").iterdir()} == {"chat.html", "chat.js", "chat.css"}
     assert (package / "demo" / "demo-chat-qwen3moe.gguf").is_file()  # what `splitmoe up` serves by default

@@ -23,8 +23,8 @@ from gguf import GGUFReader
 from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
-from splitmoe.attention_service.models import ARCHS
 from splitmoe.cli import main
+from splitmoe.modelfile.architectures import ARCHS
 from splitmoe.modelfile.experts import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_split import split_gguf

@@ -24,6 +24,7 @@ import pytest
 
 from splitmoe.cli import build_parser
 from splitmoe.commands.up import curl_example
+from splitmoe.demo.corpus import WEATHER_TOOL
 from splitmoe.local_stack import (
     UpSettings,
     attention_spec,
@@ -365,6 +366,12 @@ def test_up_answers_the_demo_questions_and_sigterm_leaves_no_child(tmp_path):
                 "model": model_id, "messages": [{"role": "user", "content": question}], "temperature": 0})
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == answer, question
+        # offered a tool, the demo calls it (README)
+        reply = httpx.post(f"{base_url}/v1/chat/completions", timeout=30, json={
+            "model": model_id, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [WEATHER_TOOL], "temperature": 0})
+        [call] = reply.json()["choices"][0]["message"]["tool_calls"]
+        assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather", {"city": "Paris"})
         services = json.loads((run_dir / "services.json").read_text())["services"]
         assert [s["name"] for s in services] == ["expert-0", "expert-1", "attention", "gateway"]
         # with no address, rebalance and heatmap find this stack and its secret in the run directory

@@ -112,6 +112,8 @@ class InProcessExperts:
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                expert_weights: torch.Tensor) -> ExpertsHandle:
+        if hidden.device.type == "cpu":  # the one device check: on a GPU the copies come first
+            return self._compute(layer, hidden, expert_ids, expert_weights)
         return self.copies.submit(self._compute, layer, hidden, expert_ids, expert_weights)
 
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,

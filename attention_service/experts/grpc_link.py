@@ -1,4 +1,4 @@
-"""The gRPC link (links.py): tensors as bytes inside the messages of one long-lived Forward stream."""
+"""The gRPC link (shm_link.py has the Link protocol): tensors as bytes inside the messages of one long-lived Forward stream."""
 from __future__ import annotations
 
 import collections
@@ -13,7 +13,7 @@ from typing import Callable
 import grpc
 import torch
 
-from splitmoe.attention_service.experts.links import HopFailed, Reply, spans_exported
+from splitmoe.attention_service.experts.shm_link import HopFailed, Reply, spans_exported
 from splitmoe.proto import codec, expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.telemetry import inject_grpc_metadata
 

@@ -1,9 +1,11 @@
 """Layer calls on the expert services: each one's parts in flight, their retries, and their sum.
 
-The data path is one thread at a time (every connection's hops are answered in order): a call is
-sent and collected under `InFlightCalls`' lock. Up to `max_calls` calls may be in flight (the
-transformer's two micro-batches: attention of one runs while the experts of the other compute); a
-further one first collects the oldest. The tensors are host tensors: from a GPU the backend copies
+A layer call plans its parts by service (ExpertServices.plan), then talks to each service's client
+itself: one submit and one wait per part, no level in between. The data path is one thread at a
+time (every connection's hops are answered in order): a call is sent and collected under
+`InFlightCalls`' lock. Up to `max_calls` calls may be in flight (the transformer's two
+micro-batches: attention of one runs while the experts of the other compute); a further one
+first collects the oldest. The tensors are host tensors: from a GPU the backend copies
 them to the host first (gpu/hop_copies.py), and the send-ahead thread of its micro-batches
 (gpu/send_ahead.py) sends under the same lock.
 """
@@ -18,8 +20,7 @@ import torch
 
 from splitmoe.attention_service.experts.placement import ExpertsUnavailable
 from splitmoe.attention_service.experts.service_client import ExpertRequestError, Hop, HopFailed
-from splitmoe.attention_service.experts.services import ExpertServices
-from splitmoe.attention_service.experts.split import ServicePart, add_part, unfinished_work
+from splitmoe.attention_service.experts.services import NOT_WANTED, ExpertServices, ServicePart
 from splitmoe.kernels import native
 
 
@@ -42,7 +43,7 @@ class InFlightCalls:
         answer continues to a GPU); default: a new tensor."""
         with self._lock:
             while len(self._calls) >= self._max_calls:
-                self._collect_locked(self._calls[0])  # a call past the limit: the oldest must finish first
+                self._calls.popleft().collect_locked()  # a call past the limit: the oldest must finish first
             call = LayerCall(self._services, self.collect, layer, hidden, expert_ids, expert_weights,
                              new_output or _new_output)
             self._calls.append(call)
@@ -55,23 +56,21 @@ class InFlightCalls:
         result): between two layer calls, where the placement may change."""
         with self._lock:
             while self._calls:
-                self._collect_locked(self._calls[0])
+                self._calls.popleft().collect_locked()
             yield
 
     def collect(self, call: "LayerCall") -> None:
         with self._lock:
             if call in self._calls:  # else collected already, to make room for a later call
-                self._collect_locked(call)
-
-    def _collect_locked(self, call: "LayerCall") -> None:
-        self._calls.remove(call)
-        call.collect_locked()
+                self._calls.remove(call)
+                call.collect_locked()
 
 
 class LayerCall:
     """One submitted layer call: its parts in flight, then its result (or error).
 
     `collect` (InFlightCalls') runs `collect_locked` under the data path's lock, unless done already.
+    Its hops go straight to each part's `ExpertServiceClient` (the services only plan and hedge).
     """
 
     def __init__(self, services: ExpertServices, collect: Callable[["LayerCall"], None], layer: int,
@@ -105,9 +104,10 @@ class LayerCall:
         self._rounds += 1
         self._parts, self._hops = [], []
         try:
-            parts = self._services.plan(self._layer, work)
-            for part in parts:
-                self._hops.append(self._services.submit(part, self._layer, self._hidden, self._weights))
+            clients = self._services.clients
+            for part in self._services.plan(self._layer, work):
+                self._hops.append(clients[part.service].submit(self._layer, self._hidden, part.rows, part.expert_ids,
+                                                               self._weights))
                 self._parts.append(part)
         except Exception as e:  # noqa: BLE001 - handed to the waiter
             self._error = e
@@ -120,38 +120,37 @@ class LayerCall:
         """
         native.park()  # the expert services compute now: this process's idle workers must not spin
         try:
-            self._collect_parts()
+            self._out = self._sum_parts()
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            self._error = e
         finally:
             self._done = True
 
-    def _collect_parts(self) -> None:
+    def _sum_parts(self) -> torch.Tensor:
         out = None  # float32 [T, D], made by the first part that arrives
-        try:
-            while True:
-                failed, rejected = [], []
-                for part, hop in zip(self._parts, self._hops):
-                    try:
-                        out = self._accumulate(out, part.rows, self._services.wait(part, hop))
-                    except HopFailed:
-                        failed.append(part)
-                    except ExpertRequestError as e:
-                        rejected.append(e)
-                self._parts, self._hops = [], []
-                if self._error is not None:
-                    raise self._error
-                if rejected:
-                    raise rejected[0]
-                if not failed:
-                    if out is None:  # nothing was routed anywhere
-                        out = self._new_output(self._hidden.shape).zero_()
-                    self._out = out
-                    return
-                if self._rounds > self._services.num_services:  # each failed round marks a service unhealthy
-                    raise ExpertsUnavailable(f"layer {self._layer}: expert services kept failing: "
-                                             f"{self._services.describe_failures()}")
-                self.send_locked(unfinished_work(self._shape, failed))
-        except Exception as e:  # noqa: BLE001 - handed to the waiter
-            self._error = e
+        services, clients = self._services, self._services.clients
+        while True:
+            failed, rejected = [], []
+            for part, hop in zip(self._parts, self._hops):
+                # Only a hop whose experts another service could compute now is given up as late.
+                hedge = services.can_hedge(self._layer, part.service)
+                try:
+                    out = self._accumulate(out, part.rows, clients[part.service].wait(hop, hedge))
+                except HopFailed:
+                    failed.append(part)
+                except ExpertRequestError as e:
+                    rejected.append(e)
+            self._parts, self._hops = [], []
+            if self._error is not None:
+                raise self._error
+            if rejected:
+                raise rejected[0]
+            if not failed:
+                return out if out is not None else self._new_output(self._hidden.shape).zero_()  # None: nothing routed
+            if self._rounds > services.num_services:  # each failed round marks a service unhealthy
+                raise ExpertsUnavailable(f"layer {self._layer}: expert services kept failing: "
+                                         f"{services.describe_failures()}")
+            self.send_locked(unfinished_work(self._shape, failed))
 
     def _accumulate(self, out: torch.Tensor | None, rows: torch.Tensor | None, part_out: torch.Tensor) -> torch.Tensor:
         """out[rows] += part_out; the first part of every row is copied out of the hop's buffer."""
@@ -162,3 +161,23 @@ class LayerCall:
             out.zero_()
         add_part(out, rows, part_out)
         return out
+
+
+def unfinished_work(shape: torch.Size, parts: list[ServicePart]) -> torch.Tensor:
+    """The routing table of just these (failed) parts' slots, to hand to other replicas."""
+    work = torch.full(shape, NOT_WANTED, dtype=torch.int64)
+    for part in parts:
+        ids = part.expert_ids.long()
+        if part.rows is None:
+            work = torch.maximum(work, ids)
+        else:
+            work[part.rows] = torch.maximum(work[part.rows], ids)
+    return work
+
+
+def add_part(out: torch.Tensor, rows: torch.Tensor | None, part_out: torch.Tensor) -> None:
+    """out[rows] += part_out, accumulating in out's dtype (float32)."""
+    if rows is None:
+        out.add_(part_out)
+    else:
+        out.index_add_(0, rows, part_out.to(out.dtype))

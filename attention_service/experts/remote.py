@@ -101,7 +101,9 @@ class RemoteExperts:
         """Send the layer's parts now; the handle's `wait()` collects them (see ExpertBackend).
 
         From a GPU the three tensors come to the host together (one wait: gpu/hop_copies.py) and
-        the answer goes back asynchronously when waited for."""
+        the answer goes back asynchronously when waited for. The one device check of a layer call."""
+        if hidden.device.type == "cpu":
+            return self._submit_host(layer, hidden, expert_ids, expert_weights)
         return self.copies.submit(self._submit_host, layer, hidden, expert_ids, expert_weights)
 
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,

@@ -1,7 +1,7 @@
 """One expert service seen from the attention side: channel, link (transport), health, hop counters.
 
 The gRPC channel carries the control RPCs (DescribeShard, LoadShard, GetStats). Hops go over a
-link (attention_service/experts/links.py): the Forward stream, or on one host the
+link (the Link protocol: attention_service/experts/shm_link.py): the Forward stream, or on one host the
 shared-memory doorbell. Either way several hops may be in flight, answered in order, and waited
 for with a deadline. A dead link marks the service unhealthy at once, even when idle; `revive`
 opens a fresh channel (never one stuck in reconnect backoff) and link.
@@ -30,9 +30,8 @@ import torch
 from splitmoe.attention_service.experts.backend import HopStats
 from splitmoe.attention_service.experts.grpc_link import GrpcLink
 from splitmoe.attention_service.experts.hop_budget import HopBudget
-from splitmoe.attention_service.experts.links import HopFailed, Link, Reply, Ticket
 from splitmoe.attention_service.experts.placement import ServiceShard
-from splitmoe.attention_service.experts.shm_link import ShmLink
+from splitmoe.attention_service.experts.shm_link import HopFailed, Link, Reply, ShmLink, Ticket
 from splitmoe.modelfile.experts import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
@@ -62,7 +61,7 @@ class HopCounters:
     num_hops: int = 0
     hop_s: float = 0.0
     compute_s: float = 0.0     # as reported by the service
-    overhead_s: float = 0.0    # see links.Reply.overhead_s
+    overhead_s: float = 0.0    # see shm_link.Reply.overhead_s
     sent_bytes: int = 0        # tensor payload written to the wire or to shared memory
     received_bytes: int = 0
     recent_overhead_s: array = field(default_factory=lambda: array("d"))  # a ring of the last hops'

@@ -2,12 +2,18 @@
 
 Startup asks every service for its shard, assigns the empty ones a part of what no one hosts,
 checks that every remote (layer, expert) is hosted, and opens each service's link. Then each
-layer's routed slots are planned by service (experts/split.py) under the current health: a dead
+layer's routed slots are planned by service (`split_by_service`, below) under the current health: a dead
 service's experts go to a replica, one marked unhealthy is tried again once its reconnect interval
 has passed, and a background thread revives the unhealthy services and checks the healthy ones'
 shards. A hop late past its service's learned budget is re-sent to a replica when one is healthy
 (the late service is then left out while `lagging`: service_client.py), so a silent host costs a
 stream a fraction of a second, not the hop deadline.
+
+Splitting by service works on routing tables `work_ids` [T, K]: slot (t, k) asks for expert
+`work_ids[t, k]`, and -1 means "not wanted here" (already computed, or computed elsewhere).
+Every slot goes to exactly one service, so the parts add up to the whole sum even when
+replicas overlap; a service's shard skips the -1 slots and any id it does not host. The layer
+call (layer_call.py) sends the parts to the services' clients itself and sums them.
 """
 from __future__ import annotations
 
@@ -33,12 +39,90 @@ from splitmoe.attention_service.experts.placement import (
     assign_empty_services,
     format_keys,
 )
-from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient, Hop, HopFailed
-from splitmoe.attention_service.experts.split import OwnerTable, ServicePart, split_by_service
+from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient, HopFailed
 from splitmoe.modelfile.experts import ExpertKey, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
+
+# ---- a layer call's routing, split by service ----------------------------------------------------
+
+NOT_WANTED = -1
+NOT_WANTED_SLOT = NO_OWNER - 1  # owner of the slots nobody should compute
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePart:
+    service: int
+    rows: torch.Tensor | None  # [n] token rows the service needs; None: every row
+    expert_ids: torch.Tensor   # [n, K] int32, -1 in the slots other services compute
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerTable:
+    """One layer's owners under the current health, ready for indexing by routing tables."""
+
+    slots: torch.Tensor  # [E + 1]: service per expert, then NOT_WANTED_SLOT (what id -1 indexes);
+                         # or [R, E + 1], token row t's owners in row t % R (tokens split between replicas)
+    complete: bool       # every expert has an owner: no orphan check needed
+    single: int | None   # the one service owning every expert of the layer, if so
+    num_services: int
+    few_rows_slots: torch.Tensor | None = None  # [E + 1]: owners for calls of under `split_min_rows` rows
+    split_min_rows: int = 0
+
+    @classmethod
+    def of(cls, owners: torch.Tensor, num_services: int, few_rows_owners: torch.Tensor | None = None,
+           split_min_rows: int = 0) -> "OwnerTable":
+        """owners: [E], or [R, E] for a table dealt by token row; few_rows_owners: [E], used
+        instead for calls of fewer than `split_min_rows` rows."""
+        slots = _with_not_wanted(owners)
+        distinct = set(owners.reshape(-1).tolist())
+        if few_rows_owners is not None:
+            distinct |= set(few_rows_owners.tolist())
+        single = distinct.pop() if len(distinct) == 1 and NO_OWNER not in distinct else None
+        if slots.dim() == 2 and slots.shape[0] == 1:
+            slots = slots[0]
+        few = None if few_rows_owners is None else _with_not_wanted(few_rows_owners)
+        return cls(slots, NO_OWNER not in distinct, single, num_services, few, split_min_rows)
+
+    def owner_of_slots(self, work_ids: torch.Tensor) -> torch.Tensor:
+        """[T, K] owning service of every slot (id -1 indexes the last entry: not wanted)."""
+        if self.few_rows_slots is not None and work_ids.shape[0] < self.split_min_rows:
+            return self.few_rows_slots[work_ids]
+        if self.slots.dim() == 1:
+            return self.slots[work_ids]
+        rows = torch.arange(work_ids.shape[0]).remainder_(self.slots.shape[0]).unsqueeze(1)
+        return self.slots[rows, work_ids]
+
+
+def _with_not_wanted(owners: torch.Tensor) -> torch.Tensor:
+    return torch.cat([owners, owners.new_full((*owners.shape[:-1], 1), NOT_WANTED_SLOT)], dim=-1)
+
+
+def split_by_service(work_ids: torch.Tensor, table: OwnerTable) -> tuple[list[ServicePart], torch.Tensor]:
+    """(one part per owning service, the wanted expert ids that no service owns now)."""
+    if table.single is not None:  # the common decode case: send the routing as is
+        return [ServicePart(table.single, None, work_ids.to(torch.int32))], work_ids.new_empty(0)
+    slot_owner = table.owner_of_slots(work_ids)
+    if not table.complete:
+        orphans = slot_owner == NO_OWNER
+        if orphans.any():
+            return [], torch.unique(work_ids[orphans])
+    # Owners are >= NOT_WANTED_SLOT (-2): shift to count slots per service in one pass.
+    shift = -NOT_WANTED_SLOT
+    slots_per_owner = torch.bincount(slot_owner.reshape(-1) + shift, minlength=table.num_services + shift)
+    services = slots_per_owner[shift:].nonzero().squeeze(1).tolist()  # a few services, not tokens
+    return [_part(s, slot_owner, work_ids) for s in services], work_ids.new_empty(0)
+
+
+def _part(service: int, slot_owner: torch.Tensor, work_ids: torch.Tensor) -> ServicePart:
+    mine = slot_owner == service
+    ids = torch.where(mine, work_ids, NOT_WANTED).to(torch.int32)
+    rows = mine.any(dim=1).nonzero().squeeze(1)
+    if rows.numel() == work_ids.shape[0]:
+        return ServicePart(service, None, ids)
+    return ServicePart(service, rows, ids[rows])
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,7 +162,8 @@ class RemoteExpertsSettings(ConnectionSettings):
 class ExpertServices:
     """Every expert service's client and the placement over them, connected at construction.
 
-    The data path (`plan`, `submit`, `wait`) is for one thread at a time, as each client's is.
+    The data path (`plan`, then each part's client: layer_call.py) is for one thread at a time, as
+    each client's is.
     """
 
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, layers: Sequence[int]):
@@ -101,6 +186,11 @@ class ExpertServices:
     def num_services(self) -> int:
         return len(self._clients)
 
+    @property
+    def clients(self) -> list[ExpertServiceClient]:
+        """By service index, as `ServicePart.service` numbers them."""
+        return self._clients
+
     # ---- the data path --------------------------------------------------------------------------
 
     def plan(self, layer: int, work: torch.Tensor) -> list[ServicePart]:
@@ -118,15 +208,6 @@ class ExpertServices:
             raise self._unavailable(layer, orphans)
         self.meter.add(parts)
         return parts
-
-    def submit(self, part: ServicePart, layer: int, hidden: torch.Tensor, expert_weights: torch.Tensor) -> Hop:
-        """Send `part` of the layer (rows of hidden and expert_weights) to its service, without waiting."""
-        return self._clients[part.service].submit(layer, hidden, part.rows, part.expert_ids, expert_weights)
-
-    def wait(self, part: ServicePart, hop: Hop) -> torch.Tensor:
-        """The part's output (see ExpertServiceClient.wait: HopFailed, HopLate, ExpertRequestError).
-        Only a hop whose experts another service could compute now is given up as late."""
-        return self._clients[part.service].wait(hop, hedge=self._can_hedge(hop.layer, part.service))
 
     def describe_failures(self) -> str:
         return "; ".join(f"{c.address} ({c.last_error})" for c in self._clients if not c.healthy)
@@ -209,9 +290,10 @@ class ExpertServices:
     def _available(self) -> tuple[bool, ...]:
         return tuple(c.healthy and not c.lagging for c in self._clients)
 
-    def _can_hedge(self, layer: int, service: int) -> bool:
+    def can_hedge(self, layer: int, service: int) -> bool:
         """Whether every expert of `layer` that `service` hosts has another available replica (a
-        lagging service runs only what nobody else can: never hedged)."""
+        lagging service runs only what nobody else can: never hedged): whether its hop may be given
+        up as late (ExpertServiceClient.wait's `hedge`)."""
         if self._clients[service].lagging:
             return False
         available = self._available()

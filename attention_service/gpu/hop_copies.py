@@ -167,8 +167,9 @@ class CopiesByDevice:
         self._host = HostSide()
 
     def __call__(self, device: torch.device) -> HopCopies:
-        if device.type == "cpu":
-            return self._host
+        return self._host if device.type == "cpu" else self._on_gpu(device)
+
+    def _on_gpu(self, device: torch.device) -> HopCopies:
         copies = self._by_device.get(device)
         if copies is None:
             copies = self._by_device[device] = hop_copies(device)
@@ -179,12 +180,10 @@ class CopiesByDevice:
         return sum(c.buffers.num_bytes for c in self._by_device.values() if c.buffers is not None)
 
     def submit(self, start: HostStart, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor):
-        """`start(layer, hidden, ids, weights, new_output)` on host tensors: a backend's layer call,
-        from whatever device the tensors are on; its handle's answer lands on that device."""
-        if hidden.device.type == "cpu":
-            return start(layer, hidden, expert_ids, expert_weights, None)
-        copies = self(hidden.device)
+               expert_weights: torch.Tensor) -> "OnDevice":
+        """`start(layer, hidden, ids, weights, new_output)` on host tensors: a backend's layer call
+        from a GPU (the backend checked: host tensors skip this), its handle's answer on that GPU."""
+        copies = self._on_gpu(hidden.device)
         staged = copies.to_host(hidden, expert_ids, expert_weights)
         try:
             handle = start(layer, *staged.tensors, copies.output_buffer)
@@ -197,7 +196,7 @@ class CopiesByDevice:
                      expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> "OnDevice":
         """`submit` that returns at once: the copies to the host are queued, and `ahead`'s thread
         waits for them and starts the call (gpu/send_ahead.py)."""
-        copies = self(hidden.device)
+        copies = self._on_gpu(hidden.device)
         staged = copies.to_host_async(hidden, expert_ids, expert_weights)
         return OnDevice(ahead.submit(lambda: start(layer, *staged.wait(), copies.output_buffer)), copies, staged)
 

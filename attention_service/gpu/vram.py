@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitmoe.attention_service.model.arch_spec import (
+from splitmoe.attention_service.model.attention import SCORES_PER_CHUNK
+from splitmoe.attention_service.model.device_attention import CONTEXT_CHUNK_TOKENS
+from splitmoe.modelfile.architectures import arch_spec, deepseek2, gpt_oss, qwen3moe
+from splitmoe.modelfile.architectures.base import (
     ATTENTION_MLA,
-    QK_NORM_FULL,
-    QK_NORM_NONE,
     SHARED_EXPERT_GATED,
     SHARED_EXPERT_NONE,
     ArchSpec,
+    QkNorm,
 )
-from splitmoe.attention_service.model.attention import SCORES_PER_CHUNK
-from splitmoe.attention_service.model.device_attention import CONTEXT_CHUNK_TOKENS
-from splitmoe.attention_service.models import arch_spec, deepseek2, gpt_oss, qwen3moe
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT, ModelConfig, RopeScaling
 
@@ -176,8 +175,8 @@ def _attention_bytes(cfg: ModelConfig, spec: ArchSpec, tensors: OptionalTensors,
     D, H, G, K, Vh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim
     linears = (H * K + G * K + G * Vh) * D + D * H * Vh  # q, k, v, output
     f32 = (H * K + G * K + G * Vh) * (spec.qkv_bias or tensors.qkv_bias) + D * tensors.attn_output_bias
-    if spec.qk_norm != QK_NORM_NONE and (tensors.qk_norm or not spec.qk_norm_optional):
-        f32 += H * K + G * K if spec.qk_norm == QK_NORM_FULL else 2 * K
+    if spec.qk_norm != QkNorm.NONE and (tensors.qk_norm or not spec.qk_norm_optional):
+        f32 += H * K + G * K if spec.qk_norm == QkNorm.FULL else 2 * K
     f32 += H * spec.attention_sinks
     return linears * itemsize + f32 * F32_BYTES
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitmoe.attention_service.model.arch_spec import QK_NORM_FULL, QK_NORM_NONE, QK_NORM_PER_HEAD, ArchSpec
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.device_attention import paged_decode_attention, prompt_attention_sdpa
 from splitmoe.attention_service.model.kv_cache import KVCache
@@ -19,8 +18,9 @@ from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, soft
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
-from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep
+from splitmoe.kernels.decode_layer import AttentionFront, DecodeStep, QkNorm
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantLinear
+from splitmoe.modelfile.architectures.base import ArchSpec
 from splitmoe.modelfile.hparams import NORM_RMS, ModelConfig
 
 # Query rows per chunk of the score matrix: at most this many float32 scores [rows, C] at once.
@@ -196,9 +196,9 @@ class MultiHeadAttention:
             return load(name, (width,), f32) if spec.qkv_bias else load.optional(name, (width,), f32)
 
         def qk_norm(name: str, heads: int) -> torch.Tensor | None:
-            if spec.qk_norm == QK_NORM_NONE or (spec.qk_norm_optional and not load.g.has(name)):
+            if spec.qk_norm == QkNorm.NONE or (spec.qk_norm_optional and not load.g.has(name)):
                 return None
-            return load.norm(name, (Dk,) if spec.qk_norm == QK_NORM_PER_HEAD else (heads * Dk,))
+            return load.norm(name, (Dk,) if spec.qk_norm == QkNorm.PER_HEAD else (heads * Dk,))
 
         if spec.fused_qkv:
             q, k, v = load.linear_parts(p + "attn_qkv.weight", (H * Dk, G * Dk, G * Dv), D)
@@ -234,7 +234,7 @@ class MultiHeadAttention:
             eps=c.norm_eps, attn_norm=attn_norm, ffn_norm=ffn_norm, q=w.q, k=w.k, v=w.v, o=w.out,
             heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.value_head_dim,
             biases=(w.q_bias, w.k_bias, w.v_bias, w.out_bias),
-            qk_norm=self.spec.qk_norm if w.q_norm is not None else QK_NORM_NONE, q_norm=w.q_norm,
+            qk_norm=self.spec.qk_norm if w.q_norm is not None else QkNorm.NONE, q_norm=w.q_norm,
             k_norm=w.k_norm, rope_dims=self.rope.dims, rope_interleaved=self.rope.interleaved, scale=self.scale,
             window=self.window_tokens(i), sinks=w.sinks, k_pool=pools["k"], v_pool=pools["v"], router=router,
             router_bias=router_bias)
@@ -260,12 +260,12 @@ class MultiHeadAttention:
         q, k, v = w.qkv(h, (w.q_bias, w.k_bias, w.v_bias))
         if c.clamp_kqv:
             q, k, v = (t.clamp(-c.clamp_kqv, c.clamp_kqv) for t in (q, k, v))
-        if self.spec.qk_norm == QK_NORM_FULL:
+        if self.spec.qk_norm == QkNorm.FULL:
             q, k = _norm(q, w.q_norm, eps), _norm(k, w.k_norm, eps)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.value_head_dim)
-        if self.spec.qk_norm == QK_NORM_PER_HEAD:
+        if self.spec.qk_norm == QkNorm.PER_HEAD:
             q, k = _norm(q, w.q_norm, eps), _norm(k, w.k_norm, eps)
         return q, k, v
 

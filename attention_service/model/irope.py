@@ -6,7 +6,7 @@
 * NoPE layers: no rope, no q/k norm, full causal attention, and q scaled by the temperature
   log(floor((pos + 1) / floor_tokens) + 1) * scale + 1, which is 1 below position floor - 1.
 
-As llama.cpp's llama4 graph computes them, with its constants (modelfile/hparams.py `_irope`).
+As llama.cpp's llama4 graph computes them, with its constants (modelfile/architectures/llama4.py).
 The L2 norm is llama.cpp's too: on unless the model has 128 experts (Maverick), a rule it keys on
 the expert count alone.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from splitmoe.attention_service.model.arch_spec import ArchSpec
 from splitmoe.attention_service.model.attention import AttentionWeights, MultiHeadAttention
+from splitmoe.modelfile.architectures.base import ArchSpec
 from splitmoe.modelfile.hparams import ModelConfig
 
 # llama.cpp: `use_kq_norm = type != LLM_TYPE_17B_128E`, the type read off the expert count.

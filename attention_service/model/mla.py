@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.attention_service.model.arch_spec import ArchSpec
 from splitmoe.attention_service.model.attention import use_native_attention
 from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.model.device_attention import paged_latent_decode_attention
@@ -25,6 +24,7 @@ from splitmoe.attention_service.model.layers import Rope, linear, rms_norm, soft
 from splitmoe.attention_service.model.weight_loader import WeightLoader
 from splitmoe.kernels.decode_attention import decode_attention
 from splitmoe.kernels.linear import LinearWeight, QuantHeads, QuantLinear
+from splitmoe.modelfile.architectures.base import ArchSpec
 from splitmoe.modelfile.gguf_file import GGUFError
 from splitmoe.modelfile.hparams import ModelConfig, RopeScaling
 

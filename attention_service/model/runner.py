@@ -23,10 +23,10 @@ from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.static_decode import DecodeRows, StaticDecode
 from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.attention_service.model.weights import load_weights
-from splitmoe.attention_service.models import arch_spec
 from splitmoe.kernels.expert_kernels import native_available
 from splitmoe.kernels.linear import SMALL_BATCH_ROWS
 from splitmoe.kernels.torch_threads import one_torch_thread
+from splitmoe.modelfile.architectures import arch_spec
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from splitmoe.attention_service.experts.backend import ExpertBackend, ExpertsHandle
-from splitmoe.attention_service.model.arch_spec import ArchSpec
 from splitmoe.attention_service.model.attention import use_native_decode
 from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.batch import StepBatch
@@ -26,6 +25,7 @@ from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import NORMS, linear, swiglu
 from splitmoe.attention_service.model.routing import limit_experts, route, sums_to_one
 from splitmoe.attention_service.model.weights import LayerWeights, ModelWeights
+from splitmoe.modelfile.architectures.base import ArchSpec
 from splitmoe.modelfile.hparams import ModelConfig
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,10 @@ from splitmoe.demo.net import NetShape, TinyQwen3Moe
 from splitmoe.modelfile.chat_template import ChatTemplate
 from splitmoe.modelfile.tokenizer import Tokenizer
 
-DEFAULT_STEPS = 600
+DEFAULT_STEPS = 1200  # the skills' copying (a city, a number) comes late: 600 steps learn the facts only
 MAX_MERGES = 2000  # more than the corpus needs: every word of it becomes one token
+# Batches are cut from this many batches' worth of chats sorted by length (see length_batches).
+WINDOW_BATCHES = 16
 
 
 @dataclass(frozen=True)
@@ -47,14 +50,29 @@ class Example:
     answer_start: int  # the first position whose next token is part of the answer
 
 
-def encode_chat(chat: corpus.Chat, template: ChatTemplate, tok: Tokenizer) -> Example:
+def encode_chat(chat: corpus.Chat, template: ChatTemplate, tok: Tokenizer, tools: list | None = None) -> Example:
     """The chat's ids up to the answer's <|im_end|>, and where the answer starts."""
-    prompt = tok.encode(template.render(chat[:-1], add_generation_prompt=True), add_special_tokens=False)
-    full = tok.encode(template.render(chat, add_generation_prompt=False), add_special_tokens=False)
+    prompt = tok.encode(template.render(chat[:-1], add_generation_prompt=True, tools=tools), add_special_tokens=False)
+    full = tok.encode(template.render(chat, add_generation_prompt=False, tools=tools), add_special_tokens=False)
     end = full.index(tok.eos_id, len(prompt)) + 1
     if full[: len(prompt)] != prompt:  # ChatML's turns start with a special token, so this holds
         raise ValueError(f"the prompt's tokens are not a prefix of the chat's: {chat!r}")
     return Example(full[:end], len(prompt) - 1)
+
+
+def length_batches(examples: list[Example], batch_chats: int, seed: int) -> list[list[Example]]:
+    """The examples in batches of about one length, in about their order: a batch pads to its
+    longest chat, and a chat with tools is ten times longer than one without. Each window of
+    WINDOW_BATCHES batches is sorted by length, cut, and its batches shuffled."""
+    rng = random.Random(seed)
+    window = batch_chats * WINDOW_BATCHES
+    out = []
+    for start in range(0, len(examples), window):
+        chunk = sorted(examples[start : start + window], key=lambda e: len(e.ids))
+        batches = [chunk[i : i + batch_chats] for i in range(0, len(chunk), batch_chats)]
+        rng.shuffle(batches)
+        out += batches
+    return out
 
 
 def batch(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,15 +108,14 @@ def _train(s: TrainSettings, log) -> tuple[TinyQwen3Moe, dict]:
     meta = vocab.tokenizer_metadata(vocab.learn_merges(corpus.words(), MAX_MERGES))
     tok = vocab.tokenizer(meta)
     template = ChatTemplate.from_gguf_metadata(meta, tok)
-    needed = s.steps * s.batch_chats
-    chats = corpus.chats(s.seed, repeats=-(-needed // len(corpus.questions())))[:needed]
-    examples = [encode_chat(c, template, tok) for c in chats]
+    lessons = corpus.chats(s.seed, s.steps * s.batch_chats)
+    batches = length_batches([encode_chat(c.chat, template, tok, c.tools) for c in lessons], s.batch_chats, s.seed)
     model = TinyQwen3Moe(NetShape(vocab_size=len(meta["tokenizer.ggml.tokens"])), s.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.0)
     pad_id = meta["tokenizer.ggml.padding_token_id"]
     start = time.monotonic()
     for step in range(s.steps):
-        inputs, targets = batch(examples[step * s.batch_chats : (step + 1) * s.batch_chats], pad_id)
+        inputs, targets = batch(batches[step], pad_id)
         logits, balance = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         for group in opt.param_groups:

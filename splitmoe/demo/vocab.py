@@ -5,19 +5,23 @@ exactly: every byte has a token, so any text a user types encodes, and the merge
 the corpus's words single tokens, which keeps sequences short and the training cheap. The learner
 is a plain greedy BPE with ties broken by the pair's spelling, so the vocabulary is a pure function
 of the corpus. Training then encodes with the project's own tokenizer built from this metadata, so
-the model learns exactly the ids the services will feed it.
+the model learns exactly the ids the services will feed it. The tool-call markers (template.py)
+are added tokens, as in Qwen's vocabulary, so a call opens with one token and the server recognises
+the hermes syntax from the vocabulary.
 """
 from __future__ import annotations
 
 import re
 from collections import Counter
 
-from splitmoe.demo_model import CHATML_TEMPLATE, SPECIAL_TOKENS, byte_level_vocab
-from splitmoe.modelfile.tokenizer import CONTROL, NORMAL, Tokenizer
+from splitmoe.demo.template import CHAT_TEMPLATE, TOOL_TOKENS
+from splitmoe.demo_model import SPECIAL_TOKENS, byte_level_vocab
+from splitmoe.modelfile.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
 
 # Close to the qwen2 pre-tokenizer's split (letters with one leading non-letter, single digits,
 # punctuation runs, whitespace): merges across its boundaries would be learned but never applied.
-_PRE_TOKEN = re.compile(r"[^\r\n\w]?[^\W\d_]+|\d| ?[^\s\w]+[\r\n]*|\s+")
+# `_` counts as a non-letter there ("_weather" is one piece), where Python's \w would count it a letter.
+_PRE_TOKEN = re.compile(r"(?:[^\r\n\w]|_)?[^\W\d_]+|\d| ?(?:[^\s\w]|_)+[\r\n]*|\s+")
 
 
 def learn_merges(texts: list[str], max_merges: int) -> list[tuple[str, str]]:
@@ -54,9 +58,9 @@ def _merge(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
 def tokenizer_metadata(merges: list[tuple[str, str]]) -> dict:
     """The `tokenizer.*` GGUF keys of this vocabulary, as GGUFFile.metadata holds them."""
     merged = list(dict.fromkeys(a + b for a, b in merges))  # two merges may spell the same token
-    tokens = byte_level_vocab() + [t for t in merged if len(t) > 1] + list(SPECIAL_TOKENS)
-    tokens = list(dict.fromkeys(tokens))
-    types = [NORMAL] * (len(tokens) - len(SPECIAL_TOKENS)) + [CONTROL] * len(SPECIAL_TOKENS)
+    normal = list(dict.fromkeys(byte_level_vocab() + [t for t in merged if len(t) > 1]))
+    tokens = normal + list(TOOL_TOKENS) + list(SPECIAL_TOKENS)
+    types = [NORMAL] * len(normal) + [USER_DEFINED] * len(TOOL_TOKENS) + [CONTROL] * len(SPECIAL_TOKENS)
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "qwen2",
@@ -66,7 +70,7 @@ def tokenizer_metadata(merges: list[tuple[str, str]]) -> dict:
         "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
         "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>"),
         "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": CHATML_TEMPLATE,
+        "tokenizer.chat_template": CHAT_TEMPLATE,
     }
 
 

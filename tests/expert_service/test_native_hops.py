@@ -1,4 +1,4 @@
-"""The C++ hop loop (kernels/csrc/hop_server.cpp) behind a real doorbell: a DoorbellServer over the
+"""The C++ hop loop (expert_service/csrc/hop_server.cpp) behind a real doorbell: a DoorbellServer over the
 demo model's shard in this process, a ShmLink client, real shared-memory slots.
 
 Decode-sized bfloat16 hops are the loop's own; float32 hops, hops over the native token limit, an

@@ -1,5 +1,6 @@
-"""ExpertShard's two paths: float32 on the exact reference, bfloat16/float16 on the fast path
-(native kernels, or the pure-torch fallback with its int4 repack cached on disk)."""
+"""ExpertShard's two paths, as kernels.expert_kernels.ExpertCompute chooses: float32 on the exact
+reference, bfloat16/float16 on the fast path (native kernels, or the pure-torch fallback with its
+int4 repack cached on disk)."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,6 @@ from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels import repack_cache
 from splitmoe.kernels.moe import moe_forward
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile import experts as experts_mod
 from splitmoe.modelfile.experts import ExpertShard, load_layer_experts
 from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.gguf_edit import rewrite_gguf
@@ -90,12 +90,12 @@ def test_half_precision_takes_the_fast_path(model, mode, dtype, request):
 
 def test_fast_path_is_built_once(demo_gguf, monkeypatch):
     calls = []
-    real = experts_mod.build_fast_layers
+    real = ek.build_fast_layers
 
     def build(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
-    monkeypatch.setattr(experts_mod, "build_fast_layers", build)
+    monkeypatch.setattr(ek, "build_fast_layers", build)
     shard = ExpertShard(GGUFFile(demo_gguf))
     x, ids, w = inputs(2)
     threads = [threading.Thread(target=shard.forward, args=(layer, x.bfloat16(), ids, w))

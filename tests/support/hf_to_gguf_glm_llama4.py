@@ -6,7 +6,7 @@
 * llama4: `feed_forward.*`; the fused experts are stored input-major ([E, H, 2F], [E, F, H]) and
   transposed; llama3 rope scaling becomes the `rope_freqs` divisors; feed_forward_length is the
   dense layers' `intermediate_size_mlp`. A config whose chunk or temperature differs from llama.cpp's
-  constants gets SplitMoE's own `llama4.splitmoe.*` keys (modelfile/hparams.py `_irope`).
+  constants gets SplitMoE's own `llama4.splitmoe.*` keys (modelfile/architectures/llama4.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 import torch
 
-# llama.cpp's constants for llama4 (modelfile/architectures.py LLAMA4).
+# llama.cpp's constants for llama4 (modelfile/architectures/llama4.py).
 _LLAMA4_CHUNK, _LLAMA4_FLOOR, _LLAMA4_SCALE, _LLAMA4_NOPE_INTERVAL = 8192, 8192, 0.1, 4
 
 

@@ -132,7 +132,7 @@ def test_fixture_models(fixtures_dir, arch, quant):
 
 
 def load_vocab_size(path):
-    from splitmoe.attention_service.models import arch_spec
+    from splitmoe.modelfile.architectures import arch_spec
     from splitmoe.modelfile.gguf_file import GGUFFile
 
     g = GGUFFile(path)

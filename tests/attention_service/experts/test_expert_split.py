@@ -1,8 +1,9 @@
-"""attention_service/experts/split.py: every routed slot goes to exactly one service, and parts sum back."""
+"""experts/services.py (split_by_service), layer_call.py (the sum): every routed slot goes to exactly one service, and parts sum back."""
 import torch
 
+from splitmoe.attention_service.experts.layer_call import add_part, unfinished_work
 from splitmoe.attention_service.experts.placement import NO_OWNER
-from splitmoe.attention_service.experts.split import OwnerTable, add_part, split_by_service, unfinished_work
+from splitmoe.attention_service.experts.services import OwnerTable, split_by_service
 
 
 def fake_services_sum(hidden, work_ids, weights, parts, num_experts):

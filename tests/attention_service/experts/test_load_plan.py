@@ -7,7 +7,7 @@ from splitmoe.attention_service.experts.auto_rebalance import MIN_CALLS, AutoReb
 from splitmoe.attention_service.experts.heat import ExpertHeat, load_heat, save_heat
 from splitmoe.attention_service.experts.load_plan import HeatBudget, choose_hot, imbalance, plan_by_load, plan_layer
 from splitmoe.attention_service.experts.placement import Placement, ServiceShard
-from splitmoe.attention_service.experts.split import OwnerTable, split_by_service
+from splitmoe.attention_service.experts.services import OwnerTable, split_by_service
 from splitmoe.modelfile.experts import ExpertKey
 
 

@@ -25,9 +25,9 @@ from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.weight_loader import quantized_mode
 from splitmoe.attention_service.model.weights import load_weights
-from splitmoe.attention_service.models import arch_spec
 from splitmoe.bench import make_model
 from splitmoe.kernels.linear import LinearGroup
+from splitmoe.modelfile.architectures import arch_spec
 from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.gguf_edit import rewrite_gguf
 

@@ -195,7 +195,7 @@ def test_weights_on_an_accelerator_are_dense_in_the_model_dtype(demo_gguf):
     """Off the CPU (the `meta` device stands in for CUDA: shapes and dtypes, no data) no weight is
     kept quantized: the native kernels are CPU code, so every linear and the embedding are dense."""
     from splitmoe.attention_service.model.weights import load_weights
-    from splitmoe.attention_service.models import arch_spec
+    from splitmoe.modelfile.architectures import arch_spec
     from splitmoe.modelfile.gguf_file import GGUFFile
 
     g = GGUFFile(demo_gguf)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitmoe.attention_service.model.arch_spec import QK_NORM_FULL, QK_NORM_PER_HEAD
 from splitmoe.attention_service.model.layers import linear, rms_norm
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
+from splitmoe.kernels.decode_layer import QkNorm
 from splitmoe.kernels.linear import QuantLinear
 from splitmoe.kernels.quants import dequantize
 
@@ -56,10 +56,10 @@ def reference(model, i: int, x: torch.Tensor, batch, pools_before: dict) -> tupl
         y = h @ f64(weight).T
         proj.append(y if bias is None else y + bias.double())
     q, k, v = proj
-    if att.spec.qk_norm == QK_NORM_FULL and w.q_norm is not None:  # none where optional and absent
+    if att.spec.qk_norm == QkNorm.FULL and w.q_norm is not None:  # none where optional and absent
         q, k = rms(q, w.q_norm, eps), rms(k, w.k_norm, eps)
     q, k, v = q.view(-1, H, Dk), k.view(-1, G, Dk), v.view(-1, G, Dv)
-    if att.spec.qk_norm == QK_NORM_PER_HEAD and w.q_norm is not None:
+    if att.spec.qk_norm == QkNorm.PER_HEAD and w.q_norm is not None:
         q, k = rms(q, w.q_norm, eps), rms(k, w.k_norm, eps)
     cos, sin = (t.double() for t in att.rope.tables(batch.positions))  # [T, 1, dims], pair layout
     d = att.rope.dims

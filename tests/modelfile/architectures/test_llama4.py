@@ -23,7 +23,7 @@ from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
 from splitmoe.kernels.decode_attention import decode_attention
-from splitmoe.modelfile.architectures import LLAMA4
+from splitmoe.modelfile.architectures.llama4 import ARCHITECTURE as LLAMA4
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.attention_service.model.test_native_decode import checked_decode, decode
 from tests.support.expert_services import ExpertServices
