@@ -27,12 +27,12 @@ from splitmoe.attention_service.engine.request import RequestOutput
 from splitmoe.attention_service.engine.sampling import MAX_TOP_LOGPROBS, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.engine.tool_calls import ToolCalling, string_parameters
-from splitmoe.attention_service.experts.backend import ExpertBackend
-from splitmoe.attention_service.experts.placement import ExpertsUnavailable
+from splitmoe.attention_service.expert_backends.backend import ExpertBackend
+from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable
 from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.modelfile.expert_tensors import ExpertKey
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
 from splitmoe.runtime.telemetry import extract_grpc_context, tracer

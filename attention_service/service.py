@@ -18,17 +18,17 @@ from splitmoe.attention_service.engine.request import GenerationRequest, OutputS
 from splitmoe.attention_service.engine.sampling import RequestSampler, SamplingOptions
 from splitmoe.attention_service.engine.scheduler import Scheduler
 from splitmoe.attention_service.engine.tool_calls import ToolCalling, ToolCallText, ToolFormat, detect_tool_format
-from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
-from splitmoe.attention_service.experts.device_experts import DeviceExperts
-from splitmoe.attention_service.experts.gpu_hot import GpuHotExperts, choose_gpu_experts
-from splitmoe.attention_service.experts.heat import load_heat
-from splitmoe.attention_service.experts.remote import ExpertsUnavailable, RemoteExperts
+from splitmoe.attention_service.expert_backends.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.expert_backends.device_experts import DeviceExperts
+from splitmoe.attention_service.expert_backends.gpu_hot import GpuHotExperts, choose_gpu_experts
+from splitmoe.attention_service.expert_backends.heat import load_heat
+from splitmoe.attention_service.expert_backends.remote import ExpertsUnavailable, RemoteExperts
 from splitmoe.attention_service.model.runner import ModelRunner, check_experts_per_token, dtype_name
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.chat_template import ChatTemplate
-from splitmoe.modelfile.experts import expert_count
+from splitmoe.modelfile.expert_tensors import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_parts import model_stem
 from splitmoe.modelfile.hparams import ModelConfig

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from splitmoe.attention_service.engine.tool_calls import FORMATS
-from splitmoe.attention_service.experts.load_plan import HeatBudget
-from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
+from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import RunnerOptions
 from splitmoe.runtime.cluster_auth import ClusterSecurity
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitmoe.modelfile.experts import expert_count, load_layer_experts, moe_layers
+from splitmoe.modelfile.expert_tensors import expert_count, load_layer_experts, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

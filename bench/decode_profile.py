@@ -132,7 +132,7 @@ def loaded(args):
 
     experts = None
     if args.expert_services:
-        from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+        from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
         from splitmoe.modelfile.gguf_file import GGUFFile
         from splitmoe.runtime.cluster_auth import ClusterSecurity
         from splitmoe.runtime.settings import cluster_token

@@ -28,7 +28,7 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
     """g: the model's GGUFFile, already open (opening parses the whole vocabulary: seconds)."""
     import torch
 
-    from splitmoe.attention_service.experts.backend import InProcessExperts
+    from splitmoe.attention_service.expert_backends.backend import InProcessExperts
     from splitmoe.attention_service.model.runner import DTYPES, RunnerOptions
     from splitmoe.attention_service.service import load_serving_model
     from splitmoe.attention_service.settings import AttentionSettings

@@ -60,7 +60,7 @@ def make_prompts(candidates: np.ndarray, requests: int, prefix_tokens: int, suff
 def run_side(g, prompts: list[list[int]], warmup: list[int], caching: bool, args) -> SideResult:
     import torch
 
-    from splitmoe.attention_service.experts.backend import InProcessExperts
+    from splitmoe.attention_service.expert_backends.backend import InProcessExperts
     from splitmoe.attention_service.model.runner import DTYPES, RunnerOptions
     from splitmoe.attention_service.service import load_serving_model
     from splitmoe.attention_service.settings import AttentionSettings

@@ -59,7 +59,7 @@ def make_models(args) -> Path:
 
 def start_services(model: Path, num_services: int, threads: int, token: str, log_dir: Path) -> tuple[list, list[str]]:
     from splitmoe.local_stack import expert_ranges
-    from splitmoe.modelfile.experts import expert_count
+    from splitmoe.modelfile.expert_tensors import expert_count
     from splitmoe.modelfile.gguf_file import GGUFFile
     from splitmoe.runtime.settings import CLUSTER_TOKEN_ENV
     from splitmoe.supervisor import free_port
@@ -87,7 +87,7 @@ def decode(runner, seqs, steps: int) -> float:
 
 
 def measured_imbalance(backend, earlier):
-    from splitmoe.attention_service.experts.services import imbalance_between
+    from splitmoe.attention_service.expert_backends.services import imbalance_between
 
     return imbalance_between(earlier, backend.imbalance_meter())[0]
 
@@ -116,8 +116,8 @@ def alternate(backend, runner, seqs, placements: dict, args) -> dict:
 @contextlib.contextmanager
 def decoding(model: Path, addresses: list[str], args, token: str, local_by_heat: str = "", heat_file: str = ""):
     """(the remote backend, a runner on it, `--streams` sequences prefilled)."""
-    from splitmoe.attention_service.experts.load_plan import HeatBudget
-    from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+    from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
+    from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
     from splitmoe.attention_service.model.sequence import Sequence
     from splitmoe.modelfile.gguf_file import GGUFFile

@@ -94,7 +94,7 @@ class Cells:
     def __init__(self, address: str):
         import torch
 
-        from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient
+        from splitmoe.attention_service.expert_backends.service_client import ConnectionSettings, ExpertServiceClient
 
         torch.set_num_threads(1)
         self.clients = {}
@@ -190,7 +190,7 @@ def pipeline_gain(model: Path, num_seqs: int, num_steps: int, dtype: str, thread
                   transport: str) -> None:
     import torch
 
-    from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+    from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import DTYPES, ModelRunner, RunnerOptions
     from splitmoe.attention_service.model.sequence import Sequence
     from splitmoe.modelfile.gguf_file import GGUFFile

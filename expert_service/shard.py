@@ -1,6 +1,6 @@
 """The shard this process serves: which (layer, expert) pairs, their FFN, and how busy each is.
 
-Wraps `modelfile.experts.ExpertShard` (memory-mapped views: building one touches no expert
+Wraps `modelfile.expert_tensors.ExpertShard` (memory-mapped views: building one touches no expert
 bytes) so that LoadShard can replace it while streams are open: a request reads the current
 shard once and finishes on it. Its `forward` is `kernels.expert_kernels.ExpertCompute`'s, where
 each hop takes the fast path or the float32 reference (the attention side's in-process experts
@@ -23,7 +23,7 @@ import torch
 from splitmoe.expert_service.native_hops import NativeHops
 from splitmoe.kernels import native
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import (
+from splitmoe.modelfile.expert_tensors import (
     ExpertKey,
     ExpertShard,
     ExpertTokenCounts,

@@ -19,7 +19,7 @@ Accumulation and the output sum are float32; the result is returned in `hidden.d
 path (`kernels.moe.moe_forward`), bfloat16 / float16 ones the fast path, built once per set of
 hosted experts. Both services compute through it (the expert service's shard, and the attention
 side's in-process, local and hot experts), so the choice lives here, beside the kernels, not in
-the file reader (`modelfile.experts.ExpertShard` builds on it) nor in one service.
+the file reader (`modelfile.expert_tensors.ExpertShard` builds on it) nor in one service.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ class UpSettings:
 
 def expert_count_of(model_path: str) -> int:
     """Routed experts per layer in the GGUF file: what the expert services split between them."""
-    from splitmoe.modelfile.experts import expert_count
+    from splitmoe.modelfile.expert_tensors import expert_count
     from splitmoe.modelfile.gguf_file import GGUFFile
 
     return expert_count(GGUFFile(model_path))

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient
+from splitmoe.attention_service.expert_backends.service_client import ConnectionSettings, ExpertServiceClient
 from splitmoe.attention_service.server import serve as serve_attention
 from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options
 from splitmoe.cli import main

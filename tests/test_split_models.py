@@ -20,12 +20,12 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.cli import main
 from splitmoe.modelfile.architectures import ARCHS
-from splitmoe.modelfile.experts import expert_count
+from splitmoe.modelfile.expert_tensors import expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.gguf_split import split_gguf
 from tests.attention_service.model.test_hf_reference import mixtral_config

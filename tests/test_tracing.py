@@ -16,7 +16,7 @@ import uvicorn
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
 from splitmoe.attention_service.server import serve as serve_attention
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.expert_service.server import ExpertServer

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitmoe.attention_service.experts.backend import ExpertBackend, InProcessExperts
+from splitmoe.attention_service.expert_backends.backend import ExpertBackend, InProcessExperts
 from splitmoe.attention_service.gpu.graphs import SegmentGraphs
 from splitmoe.attention_service.gpu.memory import DeviceMemory, device_memory, tensor_bytes
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from splitmoe.attention_service.experts.backend import ExpertBackend, ExpertsHandle
+from splitmoe.attention_service.expert_backends.backend import ExpertBackend, ExpertsHandle
 from splitmoe.attention_service.model.attention import use_native_decode
 from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.batch import StepBatch

@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from splitmoe.attention_service.experts.load_plan import HeatBudget
-    from splitmoe.attention_service.experts.remote import RemoteExpertsSettings
+    from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
+    from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import DTYPES, default_device
     from splitmoe.attention_service.server import serve
     from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options

@@ -35,7 +35,7 @@ SCRIPTS = (REPO / "bench" / "gpu" / "prepare.sh", REPO / "bench" / "gpu" / "run.
 # ---- what travels -------------------------------------------------------------------------------
 
 def test_the_carried_fixtures_are_what_the_cuda_tests_read():
-    from tests.attention_service.experts import test_device_experts
+    from tests.attention_service.expert_backends import test_device_experts
     from tests.attention_service.model import test_cuda_fixtures, test_fixtures, test_static_decode
 
     assert set(REFERENCE_FAMILIES) == set(test_fixtures.ARCHS) | set(test_cuda_fixtures.FAMILIES)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from splitmoe.attention_service.experts.shm_link import HopFailed, ShmLink
+from splitmoe.attention_service.expert_backends.shm_link import HopFailed, ShmLink
 from splitmoe.proto import doorbell, expert_pb2, expert_pb2_grpc
 from splitmoe.proto.shm import SHM_DIR, ShmRegion
 from tests.support.processes import CLUSTER, REPO, cluster_channel, free_port, grpc_service

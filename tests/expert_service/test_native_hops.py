@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.shm_link import ShmLink
+from splitmoe.attention_service.expert_backends.shm_link import ShmLink
 from splitmoe.expert_service.doorbell import DoorbellServer
 from splitmoe.expert_service.hops import HopHandler
 from splitmoe.expert_service.shard import HostedShard
 from splitmoe.kernels import native
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.expert_kernels import NATIVE_MAX_TOKENS, PACKED_MAX_TOKENS
-from splitmoe.modelfile.experts import ExpertShard
+from splitmoe.modelfile.expert_tensors import ExpertShard
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto.shm import SHM_DIR
 

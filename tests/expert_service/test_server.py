@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard
+from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import codec, doorbell, expert_pb2, expert_pb2_grpc
 from splitmoe.proto.shm import ShmRegion

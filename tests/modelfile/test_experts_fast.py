@@ -17,7 +17,7 @@ from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels import repack_cache
 from splitmoe.kernels.moe import moe_forward
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertShard, load_layer_experts
+from splitmoe.modelfile.expert_tensors import ExpertShard, load_layer_experts
 from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.gguf_edit import rewrite_gguf
 

@@ -126,7 +126,7 @@ def test_layers_past_block_count_are_refused(demo_gguf, tmp_path, capsys):
 
 
 def test_the_expert_side_checks_expert_shapes(demo_gguf, tmp_path):
-    from splitmoe.modelfile.experts import ExpertShard
+    from splitmoe.modelfile.expert_tensors import ExpertShard
 
     path = tmp_path / "experts.gguf"
     rewrite_gguf(demo_gguf, path, set_keys={"qwen3moe.expert_feed_forward_length": 16})

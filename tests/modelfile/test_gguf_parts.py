@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from splitmoe.modelfile.experts import ExpertShard, moe_layers
+from splitmoe.modelfile.expert_tensors import ExpertShard, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.gguf_parts import model_stem, part_name
 from splitmoe.modelfile.gguf_split import split_gguf

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
 from tests.support.processes import CLUSTER, free_port, spawn, wait_grpc_serving
 
 # Short timeouts for tests: a dead service is noticed in a fraction of a second.

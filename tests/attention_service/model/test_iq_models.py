@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.modelfile.gguf_file import GGUFFile

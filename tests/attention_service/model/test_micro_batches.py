@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from splitmoe.attention_service.experts.backend import InProcessExperts
+from splitmoe.attention_service.expert_backends.backend import InProcessExperts
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence

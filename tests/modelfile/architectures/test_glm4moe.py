@@ -18,7 +18,7 @@ import torch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.kernels import native
-from splitmoe.modelfile.experts import ExpertShard, moe_layers
+from splitmoe.modelfile.expert_tensors import ExpertShard, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from tests.attention_service.model.test_native_front import check as check_native_front
 from tests.support.fixture_refs import assert_converter_matches_llama_cpp

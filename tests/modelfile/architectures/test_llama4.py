@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.backend import InProcessExperts
-from splitmoe.attention_service.experts.remote import RemoteExperts, RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.backend import InProcessExperts
+from splitmoe.attention_service.expert_backends.remote import RemoteExperts, RemoteExpertsSettings
 from splitmoe.attention_service.model import attention as attention_module
 from splitmoe.attention_service.model.attention import grouped_attention
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch

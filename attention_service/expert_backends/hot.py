@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard
+from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 _NOT_WANTED = -1

@@ -13,7 +13,7 @@ from typing import Callable
 import grpc
 import torch
 
-from splitmoe.attention_service.experts.shm_link import HopFailed, Reply, spans_exported
+from splitmoe.attention_service.expert_backends.shm_link import HopFailed, Reply, spans_exported
 from splitmoe.proto import codec, expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.telemetry import inject_grpc_metadata
 

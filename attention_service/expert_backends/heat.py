@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from splitmoe.modelfile.experts import ExpertTokenCounts
+from splitmoe.modelfile.expert_tensors import ExpertTokenCounts
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from splitmoe.attention_service.experts.placement import ExpertsUnavailable
-from splitmoe.attention_service.experts.service_client import ExpertRequestError, Hop, HopFailed
-from splitmoe.attention_service.experts.services import NOT_WANTED, ExpertServices, ServicePart
+from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable
+from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError, Hop, HopFailed
+from splitmoe.attention_service.expert_backends.services import NOT_WANTED, ExpertServices, ServicePart
 from splitmoe.kernels import native
 
 

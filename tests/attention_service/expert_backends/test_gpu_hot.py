@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.backend import InProcessExperts
-from splitmoe.attention_service.experts.device_experts import DeviceExperts, expert_device_bytes
-from splitmoe.attention_service.experts.gpu_hot import GpuHotExperts, choose_gpu_experts
-from splitmoe.attention_service.experts.load_plan import HeatBudget
+from splitmoe.attention_service.expert_backends.backend import InProcessExperts
+from splitmoe.attention_service.expert_backends.device_experts import DeviceExperts, expert_device_bytes
+from splitmoe.attention_service.expert_backends.gpu_hot import GpuHotExperts, choose_gpu_experts
+from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
-from splitmoe.modelfile.experts import ExpertKey, expert_count, moe_layers
+from splitmoe.modelfile.expert_tensors import ExpertKey, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 from tests.support.decode_steps import decode_steps

@@ -1,7 +1,7 @@
-"""attention_service/experts/hop_budget.py: when a hop is late enough to re-send to a replica."""
+"""attention_service/expert_backends/hop_budget.py: when a hop is late enough to re-send to a replica."""
 import pytest
 
-from splitmoe.attention_service.experts.hop_budget import MIN_MEASURED_HOPS, WINDOW_HOPS, HopBudget
+from splitmoe.attention_service.expert_backends.hop_budget import MIN_MEASURED_HOPS, WINDOW_HOPS, HopBudget
 
 
 def test_nothing_is_late_before_enough_hops_are_measured():

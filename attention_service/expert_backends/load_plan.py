@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.modelfile.expert_tensors import ExpertKey
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.heat import load_heat
-from splitmoe.attention_service.experts.load_plan import HeatBudget
+from splitmoe.attention_service.expert_backends.heat import load_heat
+from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.modelfile.expert_tensors import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
 from tests.support.expert_services import ExpertServices, remote_experts
 

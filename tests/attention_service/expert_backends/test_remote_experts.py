@@ -16,14 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.backend import InProcessExperts
-from splitmoe.attention_service.experts.hop_budget import MIN_MEASURED_HOPS
-from splitmoe.attention_service.experts.remote import ExpertsUnavailable
-from splitmoe.attention_service.experts.services import resolve_addresses
+from splitmoe.attention_service.expert_backends.backend import InProcessExperts
+from splitmoe.attention_service.expert_backends.hop_budget import MIN_MEASURED_HOPS
+from splitmoe.attention_service.expert_backends.remote import ExpertsUnavailable
+from splitmoe.attention_service.expert_backends.services import resolve_addresses
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.server import _add_expert_stats
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.modelfile.expert_tensors import ExpertKey
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.proto import attention_pb2
 from splitmoe.runtime.cluster_auth import ClusterSecurity

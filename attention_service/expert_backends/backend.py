@@ -13,12 +13,12 @@ from typing import Protocol
 
 import torch
 
-from splitmoe.attention_service.experts.heat import ExpertHeat, HeatSnapshot
-from splitmoe.attention_service.experts.placement import ServiceShard
+from splitmoe.attention_service.expert_backends.heat import ExpertHeat, HeatSnapshot
+from splitmoe.attention_service.expert_backends.placement import ServiceShard
 from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count
+from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 

@@ -24,7 +24,7 @@ class AutoRebalancer:
 
     def check(self, earlier: tuple[float, float, int]) -> tuple[float, float, int]:
         """One check against the reading `earlier`; returns the reading the next check starts from."""
-        from splitmoe.attention_service.experts.services import imbalance_between
+        from splitmoe.attention_service.expert_backends.services import imbalance_between
 
         now = self._read_meter()
         if now[2] < earlier[2]:  # the meter was reset (a rebalance): measure from zero

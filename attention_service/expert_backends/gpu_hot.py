@@ -19,16 +19,22 @@ import logging
 
 import torch
 
-from splitmoe.attention_service.experts.backend import ExpertsHandle, HopStats, InProcessExperts, Ready, ServiceHealth
-from splitmoe.attention_service.experts.device_experts import (
+from splitmoe.attention_service.expert_backends.backend import (
+    ExpertsHandle,
+    HopStats,
+    InProcessExperts,
+    Ready,
+    ServiceHealth,
+)
+from splitmoe.attention_service.expert_backends.device_experts import (
     DeviceExperts,
     choose_device_experts,
     expert_device_bytes,
 )
-from splitmoe.attention_service.experts.heat import HeatSnapshot
-from splitmoe.attention_service.experts.load_plan import HeatBudget
-from splitmoe.attention_service.experts.remote import RemoteExperts
-from splitmoe.modelfile.experts import ExpertKey, expert_count, moe_layers
+from splitmoe.attention_service.expert_backends.heat import HeatSnapshot
+from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
+from splitmoe.attention_service.expert_backends.remote import RemoteExperts
+from splitmoe.modelfile.expert_tensors import ExpertKey, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)

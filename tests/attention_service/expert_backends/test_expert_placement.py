@@ -1,7 +1,7 @@
-"""attention_service/experts/placement.py: shard assignment, coverage and failover order (no I/O)."""
+"""attention_service/expert_backends/placement.py: shard assignment, coverage and failover order (no I/O)."""
 import pytest
 
-from splitmoe.attention_service.experts.placement import (
+from splitmoe.attention_service.expert_backends.placement import (
     NO_OWNER,
     ExpertsUnavailable,
     Placement,
@@ -10,7 +10,7 @@ from splitmoe.attention_service.experts.placement import (
     format_ranges,
     split_evenly,
 )
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.modelfile.expert_tensors import ExpertKey
 
 LAYERS = (0, 1, 2)
 

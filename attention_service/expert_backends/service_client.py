@@ -1,7 +1,7 @@
 """One expert service seen from the attention side: channel, link (transport), health, hop counters.
 
 The gRPC channel carries the control RPCs (DescribeShard, LoadShard, GetStats). Hops go over a
-link (the Link protocol: attention_service/experts/shm_link.py): the Forward stream, or on one host the
+link (the Link protocol: attention_service/expert_backends/shm_link.py): the Forward stream, or on one host the
 shared-memory doorbell. Either way several hops may be in flight, answered in order, and waited
 for with a deadline. A dead link marks the service unhealthy at once, even when idle; `revive`
 opens a fresh channel (never one stuck in reconnect backoff) and link.
@@ -27,12 +27,12 @@ from typing import Callable
 import grpc
 import torch
 
-from splitmoe.attention_service.experts.backend import HopStats
-from splitmoe.attention_service.experts.grpc_link import GrpcLink
-from splitmoe.attention_service.experts.hop_budget import HopBudget
-from splitmoe.attention_service.experts.placement import ServiceShard
-from splitmoe.attention_service.experts.shm_link import HopFailed, Link, Reply, ShmLink, Ticket
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.attention_service.expert_backends.backend import HopStats
+from splitmoe.attention_service.expert_backends.grpc_link import GrpcLink
+from splitmoe.attention_service.expert_backends.hop_budget import HopBudget
+from splitmoe.attention_service.expert_backends.placement import ServiceShard
+from splitmoe.attention_service.expert_backends.shm_link import HopFailed, Link, Reply, ShmLink, Ticket
+from splitmoe.modelfile.expert_tensors import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
 

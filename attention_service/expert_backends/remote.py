@@ -24,19 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.attention_service.experts.auto_rebalance import AutoRebalancer
-from splitmoe.attention_service.experts.backend import ExpertsHandle, HopStats, Ready, ServiceHealth
-from splitmoe.attention_service.experts.heat import ExpertHeat, HeatSnapshot, load_heat, save_heat
-from splitmoe.attention_service.experts.hot import HotExperts, PlusLocal
-from splitmoe.attention_service.experts.layer_call import InFlightCalls
-from splitmoe.attention_service.experts.load_plan import choose_hot, imbalance, plan_by_load
-from splitmoe.attention_service.experts.placement import ExpertsUnavailable, Placement, ServiceShard
-from splitmoe.attention_service.experts.service_client import ExpertRequestError
-from splitmoe.attention_service.experts.services import ExpertServices, RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.auto_rebalance import AutoRebalancer
+from splitmoe.attention_service.expert_backends.backend import ExpertsHandle, HopStats, Ready, ServiceHealth
+from splitmoe.attention_service.expert_backends.heat import ExpertHeat, HeatSnapshot, load_heat, save_heat
+from splitmoe.attention_service.expert_backends.hot import HotExperts, PlusLocal
+from splitmoe.attention_service.expert_backends.layer_call import InFlightCalls
+from splitmoe.attention_service.expert_backends.load_plan import choose_hot, imbalance, plan_by_load
+from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable, Placement, ServiceShard
+from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError
+from splitmoe.attention_service.expert_backends.services import ExpertServices, RemoteExpertsSettings
 from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_count, load_layer_experts, moe_layers
+from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count, load_layer_experts, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

@@ -1,9 +1,9 @@
 """experts/services.py (split_by_service), layer_call.py (the sum): every routed slot goes to exactly one service, and parts sum back."""
 import torch
 
-from splitmoe.attention_service.experts.layer_call import add_part, unfinished_work
-from splitmoe.attention_service.experts.placement import NO_OWNER
-from splitmoe.attention_service.experts.services import OwnerTable, split_by_service
+from splitmoe.attention_service.expert_backends.layer_call import add_part, unfinished_work
+from splitmoe.attention_service.expert_backends.placement import NO_OWNER
+from splitmoe.attention_service.expert_backends.services import OwnerTable, split_by_service
 
 
 def fake_services_sum(hidden, work_ids, weights, parts, num_experts):

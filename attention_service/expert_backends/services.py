@@ -29,9 +29,9 @@ from typing import Sequence
 import grpc
 import torch
 
-from splitmoe.attention_service.experts.backend import HopStats, ServiceHealth
-from splitmoe.attention_service.experts.load_plan import HeatBudget
-from splitmoe.attention_service.experts.placement import (
+from splitmoe.attention_service.expert_backends.backend import HopStats, ServiceHealth
+from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
+from splitmoe.attention_service.expert_backends.placement import (
     NO_OWNER,
     ExpertsUnavailable,
     Placement,
@@ -39,8 +39,8 @@ from splitmoe.attention_service.experts.placement import (
     assign_empty_services,
     format_keys,
 )
-from splitmoe.attention_service.experts.service_client import ConnectionSettings, ExpertServiceClient, HopFailed
-from splitmoe.modelfile.experts import ExpertKey, expert_count
+from splitmoe.attention_service.expert_backends.service_client import ConnectionSettings, ExpertServiceClient, HopFailed
+from splitmoe.modelfile.expert_tensors import ExpertKey, expert_count
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)

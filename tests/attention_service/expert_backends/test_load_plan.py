@@ -3,12 +3,18 @@ the predicted imbalance, owner tables that deal a replicated expert's tokens, au
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.auto_rebalance import MIN_CALLS, AutoRebalancer
-from splitmoe.attention_service.experts.heat import ExpertHeat, load_heat, save_heat
-from splitmoe.attention_service.experts.load_plan import HeatBudget, choose_hot, imbalance, plan_by_load, plan_layer
-from splitmoe.attention_service.experts.placement import Placement, ServiceShard
-from splitmoe.attention_service.experts.services import OwnerTable, split_by_service
-from splitmoe.modelfile.experts import ExpertKey
+from splitmoe.attention_service.expert_backends.auto_rebalance import MIN_CALLS, AutoRebalancer
+from splitmoe.attention_service.expert_backends.heat import ExpertHeat, load_heat, save_heat
+from splitmoe.attention_service.expert_backends.load_plan import (
+    HeatBudget,
+    choose_hot,
+    imbalance,
+    plan_by_load,
+    plan_layer,
+)
+from splitmoe.attention_service.expert_backends.placement import Placement, ServiceShard
+from splitmoe.attention_service.expert_backends.services import OwnerTable, split_by_service
+from splitmoe.modelfile.expert_tensors import ExpertKey
 
 
 class Clock:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from splitmoe.attention_service.experts.remote import (
+from splitmoe.attention_service.expert_backends.remote import (
     ExpertRequestError,
     ExpertsUnavailable,
     RemoteExperts,

@@ -1,4 +1,4 @@
-"""attention_service/experts/device_experts.py: hot experts dequantized into device memory give the exact
+"""attention_service/expert_backends/device_experts.py: hot experts dequantized into device memory give the exact
 float32 reference's expert sum (kernels.moe through ExpertShard) on both strategies, both file layouts and
 every activation; the split sends every wanted slot to one side; sizes and the choice fit a byte budget."""
 from __future__ import annotations
@@ -11,10 +11,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from splitmoe.attention_service.experts import device_experts
-from splitmoe.attention_service.experts.device_experts import DeviceExperts, choose_device_experts, expert_device_bytes
-from splitmoe.attention_service.experts.load_plan import HeatBudget
-from splitmoe.modelfile.experts import ExpertKey, ExpertShard, expert_tensor_names
+from splitmoe.attention_service.expert_backends import device_experts
+from splitmoe.attention_service.expert_backends.device_experts import (
+    DeviceExperts,
+    choose_device_experts,
+    expert_device_bytes,
+)
+from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
+from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_tensor_names
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 from tests.support.cuda_graphs import captured
