@@ -202,7 +202,7 @@ def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBack
 
 
 def with_gpu_experts(g: GGUFFile, backend: ExpertBackend, settings: AttentionSettings) -> ExpertBackend:
-    """`backend` with the hottest experts (--gpu-experts) computed in GPU memory (experts/gpu_hot.py)."""
+    """`backend` with the hottest experts (--gpu-experts) computed in GPU memory (expert_backends/gpu_hot.py)."""
     heat_file = settings.experts.heat_file if settings.experts is not None else ""
     num_layers, num_experts = ModelConfig.from_gguf(g).num_layers, expert_count(g)
     rates = load_heat(heat_file, g.file_id, (num_layers, num_experts)) if heat_file else None

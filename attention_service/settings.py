@@ -39,7 +39,7 @@ class AttentionSettings:
     tool_call_parser: str = "auto"  # auto: from the vocabulary and template | a format's name | none
     # The secret its callers must present (the expert services' is `experts.security`); TLS
     security: ClusterSecurity = ClusterSecurity()
-    # The hottest routed experts kept in GPU memory (experts/gpu_hot.py); needs a CUDA device.
+    # The hottest routed experts kept in GPU memory (expert_backends/gpu_hot.py); needs a CUDA device.
     gpu_experts: HeatBudget = HeatBudget()
 
     def __post_init__(self):

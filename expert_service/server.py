@@ -22,7 +22,7 @@ from splitmoe.expert_service.forward_stream import ForwardFrontEnd
 from splitmoe.expert_service.hops import HopHandler
 from splitmoe.expert_service.settings import ExpertServiceSettings
 from splitmoe.expert_service.shard import HostedShard, ShardDescription
-from splitmoe.modelfile.expert_tensors import format_ranges
+from splitmoe.kernels.expert_kernels import format_ranges
 from splitmoe.modelfile.gguf_parts import model_stem
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.memory import resident

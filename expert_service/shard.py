@@ -22,13 +22,13 @@ import torch
 
 from splitmoe.expert_service.native_hops import NativeHops
 from splitmoe.kernels import native
+from splitmoe.kernels.expert_kernels import format_ranges
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.expert_tensors import (
     ExpertKey,
     ExpertShard,
     ExpertTokenCounts,
     expert_count,
-    format_ranges,
     moe_layers,
 )
 from splitmoe.modelfile.gguf_file import GGUFFile

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
-from splitmoe.kernels.expert_kernels import ExpertCompute, format_ranges
+from splitmoe.kernels.expert_kernels import ExpertCompute
 from splitmoe.kernels.moe import ExpertFFN
 from splitmoe.kernels.quants import QuantTensor, dequantize
 from splitmoe.kernels.repack_cache import RepackCache, tensor_digest
@@ -23,7 +23,7 @@ from splitmoe.modelfile.architectures import architecture
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 
-__all__ = ["ExpertKey", "ExpertShard", "ExpertTokenCounts", "expert_count", "expert_tensor_names", "format_ranges",
+__all__ = ["ExpertKey", "ExpertShard", "ExpertTokenCounts", "expert_count", "expert_tensor_names",
            "load_layer_experts", "moe_layers", "repack_identity"]
 _MATRICES = ("gate", "up", "down")
 

@@ -51,7 +51,7 @@ class ExpertBackend(Protocol):
         ...
 
     def expert_heat(self) -> "HeatSnapshot":
-        """Tokens the router sent each (layer, expert), and their decayed rate (experts/heat.py)."""
+        """Tokens the router sent each (layer, expert), and their decayed rate (expert_backends/heat.py)."""
         ...
 
     def placement_view(self) -> dict[ExpertKey, tuple[str, ...]]:

@@ -32,9 +32,10 @@ from typing import Iterable, Sequence
 import torch
 
 from splitmoe.attention_service.expert_backends.load_plan import HeatBudget, choose_hot
+from splitmoe.kernels.expert_kernels import format_ranges
 from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN
 from splitmoe.kernels.quants import dequantize
-from splitmoe.modelfile.expert_tensors import ExpertKey, expert_count, format_ranges, load_layer_experts, moe_layers
+from splitmoe.modelfile.expert_tensors import ExpertKey, expert_count, load_layer_experts, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

@@ -1,5 +1,5 @@
 """Hot experts on the GPU (`--gpu-experts N|SIZE`): an expert backend that computes some (layer,
-expert) pairs in GPU memory (experts/device_experts.py) and hands the rest to another backend.
+expert) pairs in GPU memory (expert_backends/device_experts.py) and hands the rest to another backend.
 
 Each layer call's routing is split on the device: the GPU's part is queued there, the rest goes
 to the wrapped backend (expert services, or the CPU in this process) as -1 slots it skips, and the

@@ -11,7 +11,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from splitmoe.modelfile.expert_tensors import ExpertKey, format_ranges
+from splitmoe.kernels.expert_kernels import format_ranges
+from splitmoe.modelfile.expert_tensors import ExpertKey
 
 NO_OWNER = -1
 MAX_DEAL_ROWS = 12  # rows of a split-tokens owner table (the lcm of 1..4 replicas)

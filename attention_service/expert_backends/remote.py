@@ -1,16 +1,16 @@
-"""The routed experts on expert services: the remote ExpertBackend (experts/backend.py).
+"""The routed experts on expert services: the remote ExpertBackend (expert_backends/backend.py).
 
-`RemoteExperts` splits each layer call's tokens by expert service (experts/services.py: placement
+`RemoteExperts` splits each layer call's tokens by expert service (expert_backends/services.py: placement
 and failover), sends each service its part over a persistent link (gRPC bytes, or shared memory
-on one host), and sums the parts in float32 (experts/layer_call.py). A dead service's part is
+on one host), and sums the parts in float32 (expert_backends/layer_call.py). A dead service's part is
 retried on a replica; with none left the call raises `ExpertsUnavailable` instead of hanging. Two
 layer calls may be in flight at once (the transformer's two micro-batches: attention of one runs
 while the experts of the other do). The first `local_layers` MoE layers run in this process, and
-so do the hot experts (`local_by_heat`: experts/hot.py).
+so do the hot experts (`local_by_heat`: expert_backends/hot.py).
 
-Every layer call's routing is counted (experts/heat.py). `rebalance` moves the experts while
+Every layer call's routing is counted (expert_backends/heat.py). `rebalance` moves the experts while
 serving: from the heat it plans which experts stay here and which service hosts (and replicates)
-which (experts/load_plan.py); the services load their new pairs beside the old, the placement
+which (expert_backends/load_plan.py); the services load their new pairs beside the old, the placement
 switches between two layer calls, then the old pairs are released. No call is dropped: each runs
 entirely on one placement, whose experts stay loaded until it is done.
 """

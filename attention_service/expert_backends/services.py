@@ -124,7 +124,6 @@ def _part(service: int, slot_owner: torch.Tensor, work_ids: torch.Tensor) -> Ser
     return ServicePart(service, rows, ids[rows])
 
 
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoteExpertsSettings(ConnectionSettings):
     """Every expert service's connection settings, and how the backend uses the services."""

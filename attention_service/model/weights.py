@@ -16,9 +16,10 @@ import torch
 
 from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.weight_loader import WeightLoader
+from splitmoe.kernels.expert_kernels import format_ranges
 from splitmoe.kernels.linear import LinearGroup, LinearWeight, QuantEmbedding
 from splitmoe.modelfile.architectures.base import SHARED_EXPERT_GATED, SHARED_EXPERT_NONE, ArchSpec
-from splitmoe.modelfile.expert_tensors import expert_tensor_names, format_ranges, moe_layers
+from splitmoe.modelfile.expert_tensors import expert_tensor_names, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
 

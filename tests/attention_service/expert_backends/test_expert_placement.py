@@ -7,9 +7,9 @@ from splitmoe.attention_service.expert_backends.placement import (
     Placement,
     ServiceShard,
     assign_empty_services,
-    format_ranges,
     split_evenly,
 )
+from splitmoe.kernels.expert_kernels import format_ranges
 from splitmoe.modelfile.expert_tensors import ExpertKey
 
 LAYERS = (0, 1, 2)

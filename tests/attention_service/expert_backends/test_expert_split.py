@@ -1,4 +1,4 @@
-"""experts/services.py (split_by_service), layer_call.py (the sum): every routed slot goes to exactly one service, and parts sum back."""
+"""expert_backends/services.py (split_by_service), layer_call.py (the sum): every routed slot goes to exactly one service, and parts sum back."""
 import torch
 
 from splitmoe.attention_service.expert_backends.layer_call import add_part, unfinished_work

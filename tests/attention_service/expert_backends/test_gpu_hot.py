@@ -1,4 +1,4 @@
-"""experts/gpu_hot.py: some experts in GPU memory, the rest through another backend. Here the
+"""expert_backends/gpu_hot.py: some experts in GPU memory, the rest through another backend. Here the
 "GPU" is the CPU device (the same code, float32: exact against the in-process experts)."""
 import pytest
 import torch
