@@ -333,6 +333,18 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         except ExpertsUnavailable as e:  # the old placement keeps serving
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
+    async def JoinExperts(self, request: pb.JoinExpertsRequest, context) -> pb.JoinExpertsResponse:
+        m = await self._ready(context)
+        if not hasattr(m.experts, "announce"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no expert services: every expert runs in the attention process")
+        try:
+            address, server_name = joining_address(request.address, context.peer())
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        member, message = m.experts.announce(address, server_name, request.instance_id)
+        return pb.JoinExpertsResponse(member=member, message=message)
+
     async def GetStats(self, request, context) -> pb.AttentionStats:
         m = await self._ready(context)
         running, waiting = m.engine.num_running_waiting()
@@ -347,6 +359,22 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         _add_device_memory(stats, m)
         await asyncio.to_thread(_add_expert_stats, stats, m)
         return stats
+
+
+def joining_address(announced: str, peer: str) -> tuple[str, str]:
+    """(address to dial, TLS server name) of a JoinExperts caller: its announced host:port, or
+    with no host (':port') the IP it called from, as gRPC names the peer ('ipv4:10.0.0.7:51234',
+    'ipv6:[fd00::7]:51234')."""
+    host, sep, port = announced.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"JoinExperts address {announced!r}: want host:port or :port")
+    if host:
+        return announced, host.strip("[]")
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        raise ValueError(f"JoinExperts from {peer!r}: announce host:port (--advertise), the caller's IP is unknown")
+    ip = rest.rpartition(":")[0]
+    return f"{ip}:{port}", ip.strip("[]")
 
 
 def _add_device_memory(stats: pb.AttentionStats, model: ServingModel) -> None:

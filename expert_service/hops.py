@@ -79,6 +79,11 @@ class HopHandler:
         finally:
             lane.computing = False
 
+    def num_lanes(self) -> int:
+        """Streams and connections open now: each an attention service that still sends us hops."""
+        with self._lock:
+            return len(self._lanes)
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Until no hop is being computed (streams and connections may stay open), or the timeout."""
         deadline_s = time.monotonic() + timeout_s

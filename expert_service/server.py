@@ -9,7 +9,10 @@ without a gRPC message each.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
+import threading
+import time
 from concurrent import futures
 from typing import Iterator
 
@@ -29,6 +32,7 @@ from splitmoe.runtime.memory import resident
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "splitmoe.v1.ExpertService"
+_DRAIN_POLL_S = 0.05
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
@@ -38,6 +42,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self._forward = forward
         self._hostname = socket.gethostname()
         self._file_id = hosted.g.file_id
+        self.instance_id = secrets.token_hex(8)  # this process: see ShardInfo.instance_id
+        self.draining = False  # told to stop: see ExpertServer.drain
 
     def DescribeShard(self, request: expert_pb2.DescribeShardRequest, context) -> expert_pb2.ShardInfo:
         return self._shard_info(self.hosted.describe())
@@ -67,7 +73,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             model_name=str(g.get("general.name", model_stem(g.path))), arch=g.arch, file_id=self._file_id,
             layers=described.layers, experts=described.experts, hidden_size=self.hosted.hidden_size,
             num_bytes=described.num_bytes, hostname=self._hostname, num_threads=torch.get_num_threads(),
-            doorbell=self.doorbell,
+            doorbell=self.doorbell, instance_id=self.instance_id, draining=self.draining,
             by_layer=[expert_pb2.LayerExperts(layer=layer, experts=es) for layer, es in described.by_layer])
 
 
@@ -122,6 +128,26 @@ class ExpertServer:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return port
+
+    def drain(self, timeout_s: float, give_up: threading.Event | None = None) -> bool:
+        """Before `stop`: say we are leaving (ShardInfo.draining, health NOT_SERVING, so that
+        Kubernetes takes the pod out of its Service) and keep answering hops until every attention
+        service has moved our experts elsewhere and closed its links to us, or until `timeout_s`.
+        True when they all left in time; `give_up` set (a second signal) ends the wait early."""
+        self.servicer.draining = True
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline_s = time.monotonic() + timeout_s
+        while self.hops.num_lanes():
+            if time.monotonic() >= deadline_s:
+                log.warning("drain: %d attention link(s) still open after %g s; stopping anyway",
+                            self.hops.num_lanes(), timeout_s)
+                return False
+            if give_up is not None and give_up.wait(_DRAIN_POLL_S):
+                return False
+            if give_up is None:
+                time.sleep(_DRAIN_POLL_S)
+        return True
 
     def stop(self) -> None:
         """Report NOT_SERVING, let requests being computed finish (within the grace period), then

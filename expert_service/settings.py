@@ -23,6 +23,9 @@ class ExpertServiceSettings:
     max_workers: int = 64
     max_message_bytes: int = 1 << 30       # 1 GiB: a long prefill's hidden states in one message
     shutdown_grace_s: float = 5.0
+    drain_timeout_s: float = 45.0           # SIGTERM: how long attention services get to move our experts away
+    join: str = ""                          # an attention service to announce this one to (host:port)
+    advertise: str = ""                     # the address it should dial us at; default: ':port' (our IP as it sees us)
     otlp_endpoint: str = ""                 # OTLP collector for spans; empty: none exported
     doorbell: bool = True                   # offer co-located clients the shared-memory doorbell
     security: ClusterSecurity = ClusterSecurity()  # the secret callers must present; TLS
@@ -36,9 +39,18 @@ class ExpertServiceSettings:
             raise ValueError(f"--threads {self.num_threads}: must be at least 1")
         if self.cpus is not None and not self.cpus:
             raise ValueError("--cpus is empty")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s {self.drain_timeout_s:g}: must not be negative")
+        if self.advertise and not self.join:
+            raise ValueError("--advertise names the address to announce: give --join too")
         if self.max_workers < 2:
             raise ValueError("max_workers must leave room for a stream and a unary call")
         self.security.check_listen(self.host)
+
+    @property
+    def advertised(self) -> str:
+        """What --join announces: --advertise, else ':port' (the attention service fills in our IP)."""
+        return self.advertise or f":{self.port}"
 
     @property
     def address(self) -> str:

@@ -405,3 +405,19 @@ class RebalanceResponse(_message.Message):
     seconds: float
     reason: str
     def __init__(self, changed: _Optional[bool] = ..., imbalance_before: _Optional[float] = ..., imbalance_after: _Optional[float] = ..., num_local: _Optional[int] = ..., num_loaded: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JoinExpertsRequest(_message.Message):
+    __slots__ = ("address", "instance_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    instance_id: str
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class JoinExpertsResponse(_message.Message):
+    __slots__ = ("member", "message")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    member: bool
+    message: str
+    def __init__(self, member: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

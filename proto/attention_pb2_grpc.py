@@ -59,6 +59,11 @@ class AttentionServiceStub:
                 request_serializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceRequest.SerializeToString,
                 response_deserializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
+        self.JoinExperts = channel.unary_unary(
+                '/splitmoe.v1.AttentionService/JoinExperts',
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.JoinExpertsRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.JoinExpertsResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/splitmoe.v1.AttentionService/Tokenize',
                 request_serializer=splitmoe_dot_proto_dot_attention__pb2.TokenizeRequest.SerializeToString,
@@ -105,6 +110,14 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinExperts(self, request, context):
+        """An expert service announcing itself (`serve-experts --join`): health-checked, given a share
+        of the experts, then sent hops. Repeated while it runs: a restarted attention service finds it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -144,6 +157,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Rebalance,
                     request_deserializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceRequest.FromString,
                     response_serializer=splitmoe_dot_proto_dot_attention__pb2.RebalanceResponse.SerializeToString,
+            ),
+            'JoinExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinExperts,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.JoinExpertsRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.JoinExpertsResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -291,6 +309,33 @@ class AttentionService:
             '/splitmoe.v1.AttentionService/Rebalance',
             splitmoe_dot_proto_dot_attention__pb2.RebalanceRequest.SerializeToString,
             splitmoe_dot_proto_dot_attention__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitmoe.v1.AttentionService/JoinExperts',
+            splitmoe_dot_proto_dot_attention__pb2.JoinExpertsRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.JoinExpertsResponse.FromString,
             options,
             channel_credentials,
             insecure,

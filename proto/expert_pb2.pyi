@@ -30,7 +30,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "file_id", "layers", "experts", "hidden_size", "num_bytes", "hostname", "num_threads", "doorbell", "by_layer")
+    __slots__ = ("model_name", "arch", "file_id", "layers", "experts", "hidden_size", "num_bytes", "hostname", "num_threads", "doorbell", "by_layer", "instance_id", "draining")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FILE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class ShardInfo(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_FIELD_NUMBER: _ClassVar[int]
     BY_LAYER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     file_id: str
@@ -53,7 +55,9 @@ class ShardInfo(_message.Message):
     num_threads: int
     doorbell: str
     by_layer: _containers.RepeatedCompositeFieldContainer[LayerExperts]
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ..., by_layer: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ...) -> None: ...
+    instance_id: str
+    draining: bool
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ..., by_layer: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
     __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "trace_context")

@@ -169,8 +169,12 @@ def test_experts_start_unassigned_behind_a_headless_service_that_selects_them(re
     assert not service.get("publishNotReadyAddresses")
     labels = one(rendered, "Deployment", "splitmoe-expert")["spec"]["template"]["metadata"]["labels"]
     assert service["selector"].items() <= labels.items()
-    assert parse_args(container(rendered, "splitmoe-expert")).unassigned
-    assert one(rendered, "Deployment", "splitmoe-expert")["spec"]["strategy"]["type"] == "Recreate"
+    args = parse_args(container(rendered, "splitmoe-expert"))
+    assert args.unassigned
+    # scaled while serving: a new pod joins before an old one drains, and the kubelet waits out the drain
+    deployment = one(rendered, "Deployment", "splitmoe-expert")["spec"]
+    assert deployment["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert deployment["template"]["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout_s
 
 
 def test_the_attention_pod_waits_for_as_many_experts_as_the_deployment_runs(rendered):

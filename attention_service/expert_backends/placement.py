@@ -199,3 +199,36 @@ def format_keys(keys: Sequence[ExpertKey], shown: int = 4) -> str:
     """'L0.E4, L0.E5 (+3 more)': a few experts, for one-line errors."""
     text = ", ".join(k.label() for k in keys[:shown])
     return text + (f" (+{len(keys) - shown} more)" if len(keys) > shown else "")
+
+
+def reshare(shards: Sequence[ServiceShard], movable: Sequence[bool], layers: Sequence[int],
+            num_experts: int) -> list[list[ExpertKey]]:
+    """A new set of services' pairs, moving as few as it takes: per service (by index into
+    `shards`: the staying ones with what they host now, the newcomers with what they reported,
+    often nothing) the (layer, expert) pairs it should host.
+
+    Per layer: the experts nobody hosts any more (a leaving service's) go each to the movable
+    service hosting fewest; then, while two movable services differ by more than one expert, the
+    one hosting most gives its highest-numbered expert the other lacks. Services not `movable`
+    (unhealthy now: nothing can be loaded into them) keep exactly their pairs. The same choices
+    in every layer keep a rectangular placement rectangular.
+    """
+    hosts = [[set(s.experts_in(layer)) for layer in layers] for s in shards]
+    mine = [i for i, ok in enumerate(movable) if ok]
+    if not mine:
+        raise ExpertsUnavailable("no healthy expert service to place the experts on")
+    for j, _ in enumerate(layers):
+        have = [hosts[i][j] for i in range(len(shards))]
+        covered = set().union(*have)
+        for expert in (e for e in range(num_experts) if e not in covered):
+            have[min(mine, key=lambda i: (len(have[i]), i))].add(expert)
+        while True:
+            big = max(mine, key=lambda i: (len(have[i]), -i))
+            small = min(mine, key=lambda i: (len(have[i]), i))
+            movable_out = sorted(have[big] - have[small])
+            if len(have[big]) - len(have[small]) <= 1 or not movable_out:
+                break
+            have[big].remove(movable_out[-1])
+            have[small].add(movable_out[-1])
+    return [[ExpertKey(layer, e) for j, layer in enumerate(layers) for e in sorted(hosts[i][j])]
+            for i in range(len(shards))]

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from splitmoe.attention_service.expert_backends.auto_rebalance import AutoRebalancer
@@ -30,8 +31,9 @@ from splitmoe.attention_service.expert_backends.heat import ExpertHeat, HeatSnap
 from splitmoe.attention_service.expert_backends.hot import HotExperts, PlusLocal
 from splitmoe.attention_service.expert_backends.layer_call import InFlightCalls
 from splitmoe.attention_service.expert_backends.load_plan import choose_hot, imbalance, plan_by_load
-from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable, Placement, ServiceShard
-from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError
+from splitmoe.attention_service.expert_backends.membership import Candidate, Change, Membership
+from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable, Placement, ServiceShard, reshare
+from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError, HopFailed
 from splitmoe.attention_service.expert_backends.services import ExpertServices, RemoteExpertsSettings
 from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
@@ -85,6 +87,9 @@ class RemoteExperts:
             if self._hot is not None:
                 log.info("hot experts kept in this process (from %s): %d pairs, %d bytes",
                          settings.heat_file, len(self._hot.keys), self._hot.num_bytes)
+        self._membership = Membership(settings.addresses, lambda: self._services.clients, self.change_members,
+                                      settings.resolve_interval_s, settings.hosts_file)
+        self._membership.start()
         self._auto = (AutoRebalancer(self._services.meter.read, self.rebalance, settings.auto_rebalance_imbalance,
                                      settings.auto_rebalance_interval_s)
                       if settings.auto_rebalance_imbalance else None)
@@ -134,9 +139,7 @@ class RemoteExperts:
             start_s = time.perf_counter()
             rates = self.heat.snapshot().tokens_per_s
             hot = self._choose_hot(rates)
-            load = rates.clone()
-            for key in (hot.keys if hot is not None else ()):
-                load[key] = 0.0  # computed here: no service's load
+            load = self._remote_load(rates, hot)
             services, layers = self._services, self._services.placement.layers
             targets = [ServiceShard.of_keys(address, keys)
                        for address, keys in zip(services.addresses, plan_by_load(
@@ -158,6 +161,82 @@ class RemoteExperts:
             log.info("rebalanced in %.2f s: %s; %d pairs loaded, %d kept in this process",
                      report.seconds, report.reason, num_loaded, len(hot_keys))
             return report
+
+    # ---- membership, while serving (membership.py) -------------------------------------------------
+
+    def announce(self, address: str, server_name: str = "", instance_id: str = "") -> tuple[bool, str]:
+        """An expert service announcing itself (JoinExperts): (already a member, what happens next)."""
+        return self._membership.announce(Candidate(address, server_name, instance_id))
+
+    def change_members(self, change: Change) -> None:
+        """Add the joining services that pass their health check and let the leaving ones go: the
+        new share of the experts is loaded first (newcomers load theirs, the staying services what
+        the leavers hosted alone), the placement switches between two layer calls, then the old
+        pairs are released and the leavers' links closed. On a failure the old set keeps serving."""
+        with self._rebalance_lock:
+            services = self._services
+            leaving = [client for client, _ in change.leaving]
+            staying = [c for c in services.clients if all(c is not gone for gone in leaving)]
+            member_ids = {c.instance_id for c in staying if c.instance_id}
+            newcomers = []
+            for candidate in change.joining:
+                client, why = services.check_candidate(candidate.address, candidate.server_name, member_ids)
+                if client is None:
+                    self._membership.candidate_failed(candidate, why)
+                    continue
+                newcomers.append(client)
+                member_ids.add(client.instance_id)
+            if not newcomers and not leaving:
+                return
+            members = staying + newcomers
+            if not any(c.healthy for c in staying) and not newcomers:
+                log.warning("not letting %s go: no other expert service would be left",
+                            ", ".join(c.address for c in leaving))
+                return
+            try:
+                targets, placement = self._plan_members(members, newcomers)
+                services.load_beside(targets, members)
+                for client in newcomers:
+                    client.open_stream(client.shard)
+            except (ExpertsUnavailable, HopFailed, grpc.RpcError) as e:
+                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                log.warning("expert services unchanged (%s joining, %s leaving): %s",
+                            ", ".join(c.address for c in newcomers) or "none",
+                            ", ".join(c.address for c in leaving) or "none", why)
+                for client in newcomers:
+                    client.close()
+                return
+            with self._in_flight.drained():  # between two layer calls, as a rebalance switches
+                services.replace_members(members, placement)
+            services.release_old(targets, members)
+            for client, why in change.leaving:
+                client.close()  # a draining service sees its last link close, and exits
+                log.info("expert service %s left (%s); its experts are computed by the others", client.address, why)
+            for client in newcomers:
+                self._membership.joined(client.address)
+                log.info("expert service %s joined: %s over %s", client.address, client.shard.label(), client.transport)
+
+    def _plan_members(self, members: list, newcomers: list) -> tuple[list[ServiceShard], Placement]:
+        """The members' targets and the placement over them: by load (EPLB, as `rebalance`) where
+        the placement is one already and every member can load; else the fewest pairs moved."""
+        old, layers = self._services.placement, self._services.placement.layers
+        movable = [c.healthy or any(c is n for n in newcomers) for c in members]
+        if old.split_tokens and all(movable):
+            load = self._remote_load(self.heat.snapshot().tokens_per_s, self._hot)
+            keys = plan_by_load(load, layers, len(members), self.settings.rebalance_spare_slots)
+            targets = [ServiceShard.of_keys(c.address, k, c.shard.hostname) for c, k in zip(members, keys)]
+            return targets, Placement.build(targets, layers, self._num_experts, split_tokens=True, load=load)
+        keys = reshare([c.shard for c in members], movable, layers, self._num_experts)
+        targets = [ServiceShard.of_keys(c.address, k, c.shard.hostname) for c, k in zip(members, keys)]
+        return targets, Placement.build(targets, layers, self._num_experts)
+
+    @staticmethod
+    def _remote_load(rates: torch.Tensor, hot: HotExperts | None) -> torch.Tensor:
+        """The services' load: the rates, less the pairs this process computes itself."""
+        load = rates.clone()
+        for key in (hot.keys if hot is not None else ()):
+            load[key] = 0.0
+        return load
 
     def placement_now(self) -> tuple[Placement, HotExperts | None]:
         """The placement in use, to come back to with `restore_placement` (benchmarks compare
@@ -245,6 +324,7 @@ class RemoteExperts:
         return 0, self.copies.host_buffer_bytes()
 
     def close(self) -> None:
+        self._membership.close()
         self._ahead.close()
         if self._auto is not None:
             self._auto.close()

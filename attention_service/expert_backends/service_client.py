@@ -172,6 +172,7 @@ class ExpertServiceClient:
         self._abandoned: collections.deque[Hop] = collections.deque()  # oldest first, on the current link
         self._token_counts: dict[ExpertKey, int] = {}  # its last GetStats answer
         self.last_attempt_s = float("-inf")  # last reconnect attempt, or the failure that made it unhealthy
+        self._closed = False  # left the membership: never revived again
         self._lock = threading.Lock()
         self._conn = self._new_connection()
 
@@ -179,6 +180,16 @@ class ExpertServiceClient:
     def transport(self) -> str:
         link = self._conn.link
         return link.name if link is not None and self.healthy else ""
+
+    @property
+    def draining(self) -> bool:
+        """It said it is leaving (SIGTERM): its experts should move before it goes (membership.py)."""
+        return self.info is not None and self.info.draining
+
+    @property
+    def instance_id(self) -> str:
+        """The process behind the address, from its last DescribeShard ('' before the first)."""
+        return self.info.instance_id if self.info is not None else ""
 
     @property
     def lagging(self) -> bool:
@@ -245,8 +256,8 @@ class ExpertServiceClient:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if self.healthy:
-                return True
+            if self.healthy or self._closed:
+                return self.healthy
             self.last_attempt_s = time.monotonic()
             self._replace_connection()
             try:
@@ -291,6 +302,7 @@ class ExpertServiceClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self.healthy, self.last_error = False, "closed"
             self._close_link_locked()
             self._conn.channel.close()

@@ -18,13 +18,15 @@ call (layer_call.py) sends the parts to the services' clients itself and sums th
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import random
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Mapping, Sequence
 
 import grpc
 import torch
@@ -140,6 +142,8 @@ class RemoteExpertsSettings(ConnectionSettings):
                                                # between its replicas; below, each expert goes whole to one
     auto_rebalance_imbalance: float = 0.0      # rebalance when measured max/mean tokens per service passes it (0: never)
     auto_rebalance_interval_s: float = 30.0    # how often the measured imbalance is checked
+    resolve_interval_s: float = 1.0            # how often the names of `addresses` are resolved again (0: never)
+    hosts_file: str = ""                       # /etc/hosts-style lines read at every resolution, before DNS
 
     def __post_init__(self) -> None:
         super(RemoteExpertsSettings, self).__post_init__()
@@ -149,6 +153,8 @@ class RemoteExpertsSettings(ConnectionSettings):
             raise ValueError("the reconnect interval must be positive")
         if self.local_layers < 0:
             raise ValueError(f"local_layers {self.local_layers}: must be >= 0")
+        if self.resolve_interval_s < 0:
+            raise ValueError(f"resolve interval {self.resolve_interval_s:g} s: must be >= 0 (0: never)")
         if self.rebalance_spare_slots < 0 or self.auto_rebalance_interval_s <= 0 or self.heat_half_life_s <= 0:
             raise ValueError("rebalance spare slots must be >= 0, intervals and half-lives positive")
         if self.auto_rebalance_imbalance and self.auto_rebalance_imbalance <= 1.0:
@@ -167,8 +173,9 @@ class ExpertServices:
 
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, layers: Sequence[int]):
         self.settings = settings
+        self._g = g
         self._clients = [ExpertServiceClient(address, settings, server_name=host)
-                         for address, host in resolve_addresses(settings.addresses)]
+                         for address, host in resolve_addresses(settings.addresses, read_hosts_file(settings.hosts_file))]
         self._owner_tables: dict[tuple[int, tuple[bool, ...]], OwnerTable] = {}
         self.meter = ImbalanceMeter(len(self._clients))
         self._hedgeable: dict[tuple[int, int, tuple[bool, ...]], bool] = {}
@@ -243,12 +250,14 @@ class ExpertServices:
     def addresses(self) -> list[str]:
         return [c.address for c in self._clients]
 
-    def load_beside(self, targets: Sequence[ServiceShard]) -> None:
+    def load_beside(self, targets: Sequence[ServiceShard], clients: Sequence[ExpertServiceClient] | None = None) -> None:
         """First step of a new placement: every service loads its new pairs beside its old ones,
-        so that a layer call planned on either placement finds its experts."""
-        if down := self.describe_failures():
+        so that a layer call planned on either placement finds its experts. `clients`: the
+        services of the new placement, when a membership change makes them others (default: ours)."""
+        clients = self._clients if clients is None else clients
+        if clients is self._clients and (down := self.describe_failures()):
             raise ExpertsUnavailable(f"not moving experts while a service is down: {down}")
-        for client, target in zip(self._clients, targets):
+        for client, target in zip(clients, targets):
             union = ServiceShard.of_keys(client.address, [*client.shard.keys(), *target.keys()])
             if not client.shard.covers(union):
                 client.shard = client.load(union)
@@ -258,9 +267,39 @@ class ExpertServices:
         self.placement = placement
         self._owner_tables, self._hedgeable = {}, {}
 
-    def release_old(self, targets: Sequence[ServiceShard]) -> None:
+    def check_candidate(self, address: str, server_name: str,
+                        member_ids: set[str]) -> tuple[ExpertServiceClient | None, str]:
+        """A connected client of a service that may join (health-checked: it answers, serves this
+        model and is not draining), or (None, why not). `member_ids`: the members' instance ids,
+        so that one service reached at a second address is not taken for a second service."""
+        client = ExpertServiceClient(address, self.settings, server_name=server_name)
+        try:
+            client.shard = client.describe(self.settings.connect_timeout_s)
+            _check_same_model(self._g, client)
+        except grpc.RpcError as e:
+            why = f"{e.code().name}: {e.details()}"
+        except ExpertsUnavailable as e:
+            why = str(e)
+        else:
+            if client.draining:
+                why = "it is draining"
+            elif client.instance_id in member_ids:
+                why = "another address of a member"
+            else:
+                return client, ""
+        client.close()
+        return None, why
+
+    def replace_members(self, clients: list[ExpertServiceClient], placement: Placement) -> None:
+        """`switch_to` with a new set of services (membership.py), between layer calls: the
+        placement's service indices are positions in `clients`."""
+        self._clients = clients
+        self.meter.resize(len(clients))
+        self.switch_to(placement)
+
+    def release_old(self, targets: Sequence[ServiceShard], clients: Sequence[ExpertServiceClient] | None = None) -> None:
         """Last step, once no call planned on the old placement is in flight: drop the old pairs."""
-        for client, target in zip(self._clients, targets):
+        for client, target in zip(self._clients if clients is None else clients, targets):
             if target.covers(client.shard):
                 continue
             # Relied on first, so that the shard check never sees the service host "too little".
@@ -375,6 +414,11 @@ class ImbalanceMeter:
         self._max = self._mean = 0.0
         self._num_calls = 0
 
+    def resize(self, num_services: int) -> None:
+        """A membership change: the mean is over the new number of services, from now on."""
+        self.num_services = num_services
+        self.reset()
+
 
 def imbalance_between(earlier: tuple[float, float, int], later: tuple[float, float, int]) -> tuple[float, int]:
     """(measured imbalance, layer calls measured) between two ImbalanceMeter readings."""
@@ -384,18 +428,47 @@ def imbalance_between(earlier: tuple[float, float, int], later: tuple[float, flo
 
 # ---- startup --------------------------------------------------------------------------------
 
-def resolve_addresses(addresses: Sequence[str]) -> list[tuple[str, str]]:
-    """(address to dial, host name as given) per service. A name resolving to several IPs stands
-    for all of them: that is how `docker compose --scale expert=N` presents N replicas behind the
-    one name `expert`; their TLS certificates name `expert`, not an IP."""
+def resolve_addresses(addresses: Sequence[str], hosts: Mapping[str, list[str]] | None = None) -> list[tuple[str, str]]:
+    """(address to dial, host name as given) per service. A name stands for every IP it resolves
+    to, each one service: that is how `docker compose --scale expert=N` presents N replicas behind
+    the one name `expert` (a Kubernetes headless Service, its pods), and how a rescheduled pod is
+    found at its new IP (membership.py resolves again while serving). TLS certificates name
+    `expert`, not an IP: the name is kept for that. A name that does not resolve (yet) is dialed
+    as is. `hosts`: names to IPs that override DNS (`read_hosts_file`)."""
     resolved: dict[str, str] = {}
     for address in addresses:
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
-        ips = _resolve(host, port)
-        for each in ([address] if len(ips) <= 1 else [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]):
+        ips = [host] if is_ip(host) else (hosts or {}).get(host) or _resolve(host, port)
+        for each in ([address] if not ips else [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]):
             resolved.setdefault(each, host)
     return list(resolved.items())
+
+
+def read_hosts_file(path: str) -> dict[str, list[str]]:
+    """An /etc/hosts-style file ('IP name [name ...]' per line, '#' comments): name -> its IPs in
+    file order. Read at every resolution, so that editing it adds or removes services where no DNS
+    can be changed (and in tests). Empty path, or no such file: {}."""
+    if not path:
+        return {}
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    hosts: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        for name in fields[1:]:
+            hosts.setdefault(name, []).append(fields[0])
+    return hosts
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def _resolve(host: str, port: str) -> list[str]:

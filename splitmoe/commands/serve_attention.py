@@ -46,6 +46,14 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                                    "`splitmoe rebalance`)")),
     ("--auto-rebalance-interval-s", dict(type=float, default=30.0,
                                          help="how often the measured imbalance is checked")),
+    ("--expert-resolve-interval-s", dict(type=float, default=1.0, metavar="S",
+                                         help="resolve the names of --expert-services again this often while "
+                                              "serving: a new address (compose --scale, kubectl scale, a pod "
+                                              "moved) joins with a share of the experts, one gone leaves after "
+                                              "its experts moved (0: resolve at start only)")),
+    ("--expert-hosts-file", dict(default="", metavar="PATH",
+                                 help="an /etc/hosts-style file read at every resolution, before DNS: edit it to "
+                                      "add or remove expert services where no DNS can be changed (default: none)")),
     ("--transport", dict(choices=["auto", "grpc", "shm"], default="auto",
                          help="auto: shared memory to expert services on this host, gRPC to the others")),
     ("--expert-timeout-s", dict(type=float, default=30.0, help="deadline of every expert hop, in seconds")),
@@ -148,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
         local_layers=args.local_experts, local_by_heat=HeatBudget.parse(args.local_experts_by_heat or "0"),
         heat_file=args.heat_file, heat_half_life_s=args.heat_half_life_s,
         rebalance_spare_slots=args.rebalance_spare_slots, auto_rebalance_imbalance=args.auto_rebalance,
-        auto_rebalance_interval_s=args.auto_rebalance_interval_s, security=security) if args.expert_services else None
+        auto_rebalance_interval_s=args.auto_rebalance_interval_s, resolve_interval_s=args.expert_resolve_interval_s,
+        hosts_file=args.expert_hosts_file, security=security) if args.expert_services else None
     settings = AttentionSettings(
         model_path=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         runner=runner, experts=experts, max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,

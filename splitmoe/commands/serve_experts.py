@@ -54,7 +54,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start with no experts; the attention service assigns a shard with LoadShard")
     p.add_argument("--no-doorbell", dest="doorbell", action="store_false",
                    help="no shared-memory fast path: attention services on this host use gRPC too")
-    add_cluster_flags(p, serves=True, calls=False)
+    scaling = p.add_argument_group("joining and leaving while the attention service serves (docs/deploy.md, scaling)")
+    scaling.add_argument("--join", metavar="ATTENTION_ADDR", default="",
+                         help="announce this service to the attention service at host:port (repeated while it "
+                              "runs): it is checked, given a share of the experts, then sent hops. Not "
+                              "needed where the attention service resolves a name that covers this one: compose's "
+                              "`expert`, a Kubernetes headless Service (default: none)")
+    scaling.add_argument("--advertise", metavar="HOST:PORT", default="",
+                         help="with --join: the address to dial this service at (default: the address the "
+                              "attention service sees the announcement come from, and --port)")
+    scaling.add_argument("--drain-timeout-s", type=float, default=45.0, metavar="S",
+                         help="on SIGTERM: keep answering hops while the attention services move this service's "
+                              "experts to others and close their links, for at most this long, then exit "
+                              "(a second signal exits at once). Kubernetes' terminationGracePeriodSeconds and "
+                              "compose's stop_grace_period must be longer (default: 45)")
+    add_cluster_flags(p, serves=True, calls=True)
     p.set_defaults(run=cmd_serve_experts)
 
 
@@ -73,13 +87,14 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
         unassigned=args.unassigned, num_threads=threads, cpus=cpus, numa_node=args.numa_node,
-        pin_threads=args.pin_threads,
+        pin_threads=args.pin_threads, drain_timeout_s=args.drain_timeout_s, join=args.join, advertise=args.advertise,
         otlp_endpoint=otlp_endpoint(), doorbell=args.doorbell, security=cluster_security(args))
     return serve_experts(settings)
 
 
 def serve_experts(settings: ExpertServiceSettings) -> int:
-    """Load the shard, serve until SIGTERM/SIGINT, then drain and exit 0."""
+    """Load the shard, serve until SIGTERM/SIGINT, then drain (the attention services move its
+    experts elsewhere first; a second signal cuts that short) and exit 0."""
     import logging
     import signal
     import threading
@@ -93,16 +108,33 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     setup_tracing("splitmoe-expert", settings.otlp_endpoint or None)
     hosted = _hosted_shard(settings)
     server = ExpertServer(settings, hosted)
-    stop = threading.Event()
+    stop, give_up = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        (give_up if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     port = server.start()
     log = logging.getLogger("splitmoe.serve_experts")
     log.info("ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
              describe_shard(hosted.describe()), memory_line())
     if settings.numa_node is not None:
         _log_numa_placement(log, settings.numa_node)
+    announcer = None
+    if settings.join:
+        from splitmoe.expert_service.join import Announcer
+
+        announcer = Announcer(settings.join, settings.advertised, server.servicer.instance_id, settings.security,
+                              lambda: server.servicer.draining)
+        announcer.start()
     stop.wait()
+    if announcer is not None:
+        announcer.stop()
+    log.info("draining: asking the attention services to move this service's experts (up to %g s)",
+             settings.drain_timeout_s)
+    if server.drain(settings.drain_timeout_s, give_up):
+        log.info("drained: no attention service sends hops here any more")
     server.stop()
     return 0
 

@@ -307,28 +307,62 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
 
 
 @pytest.mark.stack
-def test_sigterm_drains_and_exits_cleanly(demo_gguf, tmp_path):
+def test_sigterm_drains_answering_hops_until_the_last_link_closes(demo_gguf, tmp_path):
     port = free_port()
     log_path = tmp_path / "experts.log"
     proc = spawn(["serve-experts", str(demo_gguf), "--port", str(port), "--layers", "1-1", "--cpus", "0"], log_path)
     try:
         wait_grpc_serving(f"127.0.0.1:{port}", 60, proc)
         with cluster_channel(f"127.0.0.1:{port}") as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="splitmoe.v1.ExpertService"), timeout=10).status
-            assert status == health_pb2.HealthCheckResponse.SERVING
-            stream = Stream(expert_pb2_grpc.ExpertServiceStub(channel))
-            assert not stream.ask(request(1, *routing(2))).error  # an open, idle stream
-            start_s = time.monotonic()
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = expert_pb2_grpc.ExpertServiceStub(channel)
+
+            def serving():
+                return health.Check(health_pb2.HealthCheckRequest(service="splitmoe.v1.ExpertService"),
+                                    timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+            assert serving() and not stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).draining
+            stream = Stream(stub)
+            expected = stream.ask(request(1, *routing(2)))
+            assert not expected.error  # an open stream: an attention service relying on us
             proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            # draining: it says so (and probes fail, so that Kubernetes takes it out of its Service),
+            # and goes on answering hops until its last link closes
+            assert stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).draining and not serving()
+            again = stream.ask(request(1, *routing(2)))
+            assert not again.error and again.output == expected.output
+            assert proc.poll() is None
+            start_s = time.monotonic()
+            stream.close()
             assert proc.wait(30) == 0
-            assert time.monotonic() - start_s < 3  # the idle stream did not hold shutdown for the grace period
-            with pytest.raises(grpc.RpcError):
-                stream.ask(request(1, *routing(2)))
+            assert time.monotonic() - start_s < 3  # gone as soon as nobody sends it hops
     finally:
         proc.kill()
     log = log_path.read_text()
     assert f"ready on 127.0.0.1:{port}: demo.gguf layers 1, experts 0-7" in log
+    assert "drained: no attention service sends hops here any more" in log
+
+
+@pytest.mark.stack
+def test_a_link_never_closed_holds_the_drain_only_until_its_timeout(demo_gguf, tmp_path):
+    port = free_port()
+    proc = spawn(["serve-experts", str(demo_gguf), "--port", str(port), "--layers", "1-1", "--drain-timeout-s", "1"],
+                 tmp_path / "experts.log")
+    try:
+        wait_grpc_serving(f"127.0.0.1:{port}", 60, proc)
+        with cluster_channel(f"127.0.0.1:{port}") as channel:
+            stream = Stream(expert_pb2_grpc.ExpertServiceStub(channel))
+            assert not stream.ask(request(1, *routing(2))).error
+            start_s = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            assert 1 <= time.monotonic() - start_s < 5
+            with pytest.raises(grpc.RpcError):
+                stream.ask(request(1, *routing(2)))
+    finally:
+        proc.kill()
+    assert "still open after 1 s; stopping anyway" in (tmp_path / "experts.log").read_text()
 
 
 def test_bad_command_lines_fail_with_one_line(demo_gguf, tmp_path, monkeypatch, capsys):

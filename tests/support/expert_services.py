@@ -20,21 +20,23 @@ FAST_SETTINGS = dict(connect_timeout_s=0.5, reconnect_interval_s=0.2, startup_wa
 class ExpertServices:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
-        self.procs, self.args, self.ports = {}, {}, {}
+        self.procs, self.args, self.ports, self.hosts = {}, {}, {}, {}
 
-    def start(self, name: str, model: Path, *args: str) -> str:
-        """Spawn without waiting (see `wait`); returns the address."""
-        self.ports[name] = free_port()
-        self.args[name] = ["serve-experts", str(model), "--port", str(self.ports[name]), "--threads", "1", *args]
+    def start(self, name: str, model: Path, *args: str, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Spawn without waiting (see `wait`); returns the address. `host`: another loopback
+        address (127.0.0.2, ...) lets services share one port, as replicas behind one name do."""
+        self.ports[name], self.hosts[name] = port or free_port(), host
+        self.args[name] = ["serve-experts", str(model), "--host", host, "--port", str(self.ports[name]),
+                           "--threads", "1", *args]
         self.procs[name] = spawn(self.args[name], self.log_dir / f"{name}.log")
         return self.address(name)
 
     def address(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        return f"{self.hosts[name]}:{self.ports[name]}"
 
-    def wait(self, timeout_s: float = 90.0) -> None:
-        for name, proc in self.procs.items():
-            wait_grpc_serving(self.address(name), timeout_s, proc)
+    def wait(self, timeout_s: float = 90.0, names: tuple[str, ...] = ()) -> None:
+        for name in names or tuple(self.procs):
+            wait_grpc_serving(self.address(name), timeout_s, self.procs[name])
 
     def kill(self, name: str) -> None:
         """kill -9: no goodbye on any stream."""
@@ -67,7 +69,8 @@ class ExpertServices:
 
     def stop_all(self) -> None:
         for proc in self.procs.values():
-            proc.kill()
+            if proc.poll() is None:
+                proc.kill()
             proc.wait()
 
 

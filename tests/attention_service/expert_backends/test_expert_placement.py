@@ -7,6 +7,7 @@ from splitmoe.attention_service.expert_backends.placement import (
     Placement,
     ServiceShard,
     assign_empty_services,
+    reshare,
     split_evenly,
 )
 from splitmoe.kernels.expert_kernels import format_ranges
@@ -69,3 +70,46 @@ def test_replicas_take_turns_by_layer_and_cover_for_each_other():
 def test_format_ranges():
     assert format_ranges("experts", [0, 1, 2, 5, 7, 8]) == "experts 0-2,5,7-8"
     assert format_ranges("layers", []) == "no layers"
+
+
+# ---- membership changes: the fewest pairs moved ------------------------------------------------
+
+def placed(shards, movable, num_experts=8):
+    keys = reshare(shards, movable, LAYERS, num_experts)
+    return [ServiceShard.of_keys(s.address, k) for s, k in zip(shards, keys)]
+
+
+def test_a_newcomer_takes_a_share_from_the_busiest_and_nothing_else_moves():
+    a, b, new = shard("a", LAYERS, range(0, 4)), shard("b", LAYERS, range(4, 8)), shard("new")
+    after = placed([a, b, new], [True] * 3)
+    assert [s.experts for s in after] == [(0, 1, 2), (4, 5, 6), (3, 7)]
+    assert all(s.layers == LAYERS and not s.by_layer for s in after)  # rectangles stay rectangles
+    for old, now in zip((a, b), after):  # the staying services only give experts away
+        assert old.covers(now)
+    Placement.build(after, LAYERS, 8)  # every expert hosted
+
+
+def test_a_leavers_experts_go_to_the_services_hosting_fewest():
+    a, b = shard("a", LAYERS, (0, 1, 2)), shard("b", LAYERS, (3, 4, 5, 6))  # c (7) and d left
+    after = placed([a, b], [True, True])
+    assert [s.experts for s in after] == [(0, 1, 2, 7), (3, 4, 5, 6)]
+
+
+def test_replicas_count_as_hosted_and_per_layer_shards_stay_per_layer():
+    a = ServiceShard.of_keys("a", [ExpertKey(0, e) for e in range(8)] + [ExpertKey(1, e) for e in range(4)]
+                             + [ExpertKey(2, e) for e in range(8)])
+    b = ServiceShard.of_keys("b", [ExpertKey(1, e) for e in range(2, 8)])
+    after = placed([a, b, shard("new")], [True] * 3)
+    Placement.build(after, LAYERS, 8)
+    for layer in LAYERS:
+        counts = [len(s.experts_in(layer)) for s in after]
+        assert max(counts) - min(counts) <= 1, (layer, counts)
+    assert set(after[1].experts_in(1)) <= set(range(2, 8))  # b only gave
+
+
+def test_a_service_that_cannot_load_keeps_its_pairs_and_takes_none():
+    down, a = shard("down", LAYERS, range(0, 6)), shard("a", LAYERS, (6, 7))
+    after = placed([down, a, shard("new")], [False, True, True])
+    assert after[0].experts == tuple(range(6)) and after[1].experts == (6,) and after[2].experts == (7,)
+    with pytest.raises(ExpertsUnavailable, match="no healthy expert service"):
+        reshare([down], [False], LAYERS, 8)

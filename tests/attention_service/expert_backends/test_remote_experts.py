@@ -19,7 +19,7 @@ import torch
 from splitmoe.attention_service.expert_backends.backend import InProcessExperts
 from splitmoe.attention_service.expert_backends.hop_budget import MIN_MEASURED_HOPS
 from splitmoe.attention_service.expert_backends.remote import ExpertsUnavailable
-from splitmoe.attention_service.expert_backends.services import resolve_addresses
+from splitmoe.attention_service.expert_backends.services import read_hosts_file, resolve_addresses
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.server import _add_expert_stats
@@ -265,7 +265,7 @@ def test_startup_without_the_cluster_secret_fails_with_one_line_saying_so(servic
     assert "\n" not in message and f"{low} refused us: UNAUTHENTICATED" in message and "cluster secret" in message
 
 
-def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
+def test_a_name_stands_for_every_address_it_resolves_to(monkeypatch, tmp_path):
     real = socket.getaddrinfo
 
     def compose_dns(host, port, family=0, kind=0, *args):
@@ -276,9 +276,15 @@ def test_a_name_with_several_addresses_stands_for_every_replica(monkeypatch):
         return [(family, kind, 6, "", (f"172.18.0.{i}", int(port))) for i in (3, 4, 3)]
 
     monkeypatch.setattr(socket, "getaddrinfo", compose_dns)
-    assert resolve_addresses(["expert:50061", "127.0.0.1:7", "localhost:8"]) == [
+    assert resolve_addresses(["expert:50061", "127.0.0.1:7", "localhost:8", "nowhere.invalid:9"]) == [
         ("172.18.0.3:50061", "expert"), ("172.18.0.4:50061", "expert"), ("127.0.0.1:7", "127.0.0.1"),
-        ("localhost:8", "localhost")]
+        ("127.0.0.1:8", "localhost"), ("nowhere.invalid:9", "nowhere.invalid")]
+    # a hosts file overrides DNS, name by name, blank lines and comments ignored
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# experts\n\n10.0.0.5 expert other\n10.0.0.6 expert  # the second\n")
+    assert resolve_addresses(["expert:1", "other:2", "localhost:3"], read_hosts_file(str(hosts))) == [
+        ("10.0.0.5:1", "expert"), ("10.0.0.6:1", "expert"), ("10.0.0.5:2", "other"), ("127.0.0.1:3", "localhost")]
+    assert read_hosts_file(str(tmp_path / "absent")) == {} and read_hosts_file("") == {}
 
 
 # ---- replicas -------------------------------------------------------------------------------
