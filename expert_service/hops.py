@@ -84,6 +84,11 @@ class HopHandler:
         with self._lock:
             return len(self._lanes)
 
+    def num_computing(self) -> int:
+        """Hops in the kernels now, over every lane (a C++ loop's counted as busy while it serves)."""
+        with self._lock:
+            return sum(1 for lane in self._lanes if lane.computing)
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Until no hop is being computed (streams and connections may stay open), or the timeout."""
         deadline_s = time.monotonic() + timeout_s

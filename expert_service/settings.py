@@ -24,6 +24,7 @@ class ExpertServiceSettings:
     max_message_bytes: int = 1 << 30       # 1 GiB: a long prefill's hidden states in one message
     shutdown_grace_s: float = 5.0
     drain_timeout_s: float = 45.0           # SIGTERM: how long attention services get to move our experts away
+    metrics_port: int | None = None         # Prometheus /metrics (how busy: the autoscaler's signal); None: none
     join: str = ""                          # an attention service to announce this one to (host:port)
     advertise: str = ""                     # the address it should dial us at; default: ':port' (our IP as it sees us)
     otlp_endpoint: str = ""                 # OTLP collector for spans; empty: none exported
@@ -39,6 +40,8 @@ class ExpertServiceSettings:
             raise ValueError(f"--threads {self.num_threads}: must be at least 1")
         if self.cpus is not None and not self.cpus:
             raise ValueError("--cpus is empty")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port}: not a TCP port")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s {self.drain_timeout_s:g}: must not be negative")
         if self.advertise and not self.join:

@@ -156,10 +156,15 @@ def test_every_command_parses_with_our_cli_and_listens_where_its_service_points(
     services = {name: one(rendered, "Service", f"splitmoe-{name}")["spec"]["ports"][0]
                 for name in ("expert", "attention", "gateway")}
     for name, args in (("expert", expert), ("attention", attention), ("gateway", gateway)):
-        (port,) = container(rendered, f"splitmoe-{name}")["ports"]
+        port = container(rendered, f"splitmoe-{name}")["ports"][0]
         assert port["containerPort"] == args.port == services[name]["port"]
         assert services[name]["targetPort"] == port["name"]
     assert attention.expert_services == (f"splitmoe-expert:{services['expert']['port']}",)  # every pod
+    # the experts' second port: /metrics, the autoscaler's signal
+    metrics = container(rendered, "splitmoe-expert")["ports"][1]
+    service_metrics = one(rendered, "Service", "splitmoe-expert")["spec"]["ports"][1]
+    assert metrics["name"] == service_metrics["targetPort"] == "metrics"
+    assert metrics["containerPort"] == expert.metrics_port == service_metrics["port"]
     assert gateway.attention == f"splitmoe-attention:{services['attention']['port']}"
 
 
@@ -251,12 +256,14 @@ def test_network_policies_admit_only_the_next_hop(rendered):
     labels = {name: one(rendered, "Deployment", f"splitmoe-{name}")["spec"]["template"]["metadata"]["labels"]
               for name in ("expert", "attention", "gateway")}
 
-    def admitted(target: str) -> set[str]:
+    def admitted(target: str, port: int) -> set[str]:
         (policy,) = [p for p in rendered if p["kind"] == "NetworkPolicy"
                      and p["spec"]["podSelector"]["matchLabels"].items() <= labels[target].items()]
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         callers = set()
         for rule in policy["spec"]["ingress"]:
+            if port not in {p["port"] for p in rule["ports"]}:
+                continue
             if "from" not in rule:
                 return {"anyone"}
             for peer in rule["from"]:
@@ -264,9 +271,10 @@ def test_network_policies_admit_only_the_next_hop(rendered):
                             if peer["podSelector"]["matchLabels"].items() <= pod_labels.items()}
         return callers
 
-    assert admitted("expert") == {"attention"}
-    assert admitted("attention") == {"gateway"}
-    assert admitted("gateway") == {"anyone"}  # the Gateway API proxies and Prometheus
+    assert admitted("expert", 50061) == {"attention"}
+    assert admitted("expert", 9061) == {"anyone"}  # Prometheus: /metrics, counts only
+    assert admitted("attention", 50051) == {"gateway"}
+    assert admitted("gateway", 8000) == {"anyone"}  # the Gateway API proxies and Prometheus
 
 
 def test_the_route_and_the_service_monitor_point_at_the_gateway_service(rendered):
@@ -333,3 +341,29 @@ def test_the_deploy_docs_kubernetes_steps_render_and_validate(tmp_path):
     passed = re.findall(r"passed for resource (\S+)", done.stdout + done.stderr)
     assert {"deployment/splitmoe-attention", "deployment/splitmoe-expert", "secret/splitmoe-api-key"} <= set(passed)
     assert "ERROR" not in done.stdout + done.stderr
+
+
+def test_the_autoscaler_scales_the_experts_on_a_metric_they_export_and_waits_out_a_drain(rendered, demo_gguf):
+    from splitmoe.expert_service.hops import HopHandler
+    from splitmoe.expert_service.metrics import ExpertMetrics
+    from splitmoe.expert_service.shard import HostedShard
+    from splitmoe.modelfile.gguf_file import GGUFFile
+
+    hpa = one(rendered, "HorizontalPodAutoscaler", "splitmoe-expert")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "splitmoe-expert"}
+    (metric,) = hpa["metrics"]
+    adapter = yaml.safe_load((REPO / "deploy/kubernetes/prometheus-adapter/values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == rule["name"]["as"]
+    series = rule["seriesQuery"].split("{")[0]
+    hosted = HostedShard(GGUFFile(demo_gguf), layers=(), experts=())
+    exported = {s.name for family in ExpertMetrics(hosted, HopHandler(hosted), lambda: False).collect()
+                for s in family.samples}
+    assert series in exported  # the adapter reads a series the expert services really export
+    monitor = one(rendered, "ServiceMonitor", "splitmoe-expert")["spec"]
+    assert [e["port"] for e in monitor["endpoints"]] == ["metrics"]
+    # scaling down: one pod at a time, each period longer than the drain its pod takes
+    drain_s = parse_args(container(rendered, "splitmoe-expert")).drain_timeout_s
+    (down,) = hpa["behavior"]["scaleDown"]["policies"]
+    assert down == {"type": "Pods", "value": 1, "periodSeconds": down["periodSeconds"]}
+    assert down["periodSeconds"] > drain_s

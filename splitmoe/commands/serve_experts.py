@@ -68,6 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                               "experts to others and close their links, for at most this long, then exit "
                               "(a second signal exits at once). Kubernetes' terminationGracePeriodSeconds and "
                               "compose's stop_grace_period must be longer (default: 45)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on --host:PORT: compute seconds (its rate is how busy the "
+                        "service is: the autoscaler's signal), hops, hops in progress, open links, hosted pairs "
+                        "and bytes, draining; counts only, no secret needed (default: none)")
     add_cluster_flags(p, serves=True, calls=True)
     p.set_defaults(run=cmd_serve_experts)
 
@@ -87,7 +91,8 @@ def cmd_serve_experts(args: argparse.Namespace) -> int:
     settings = ExpertServiceSettings(
         model_path=Path(args.model), host=args.host, port=args.port, layers=args.layers, experts=args.experts,
         unassigned=args.unassigned, num_threads=threads, cpus=cpus, numa_node=args.numa_node,
-        pin_threads=args.pin_threads, drain_timeout_s=args.drain_timeout_s, join=args.join, advertise=args.advertise,
+        pin_threads=args.pin_threads, drain_timeout_s=args.drain_timeout_s, join=args.join,
+        metrics_port=args.metrics_port, advertise=args.advertise,
         otlp_endpoint=otlp_endpoint(), doorbell=args.doorbell, security=cluster_security(args))
     return serve_experts(settings)
 
@@ -121,6 +126,11 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
              describe_shard(hosted.describe()), memory_line())
     if settings.numa_node is not None:
         _log_numa_placement(log, settings.numa_node)
+    if settings.metrics_port is not None:
+        from splitmoe.expert_service.metrics import ExpertMetrics, serve_metrics
+
+        metrics = ExpertMetrics(hosted, server.hops, lambda: server.servicer.draining)
+        log.info("metrics on http://%s:%d/metrics", settings.host, serve_metrics(settings.host, settings.metrics_port, metrics))
     announcer = None
     if settings.join:
         from splitmoe.expert_service.join import Announcer

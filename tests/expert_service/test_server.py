@@ -6,6 +6,7 @@ by hand here (the attention-side client has its own tests), so every field is ch
 import queue
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -307,10 +308,19 @@ def test_span_per_layer_call_parented_by_the_callers_trace(demo_gguf):
 
 
 @pytest.mark.stack
+def scrape(port: int) -> dict[str, float]:
+    """The samples of an expert service's /metrics, by name (unlabelled)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_sigterm_drains_answering_hops_until_the_last_link_closes(demo_gguf, tmp_path):
-    port = free_port()
+    """... and /metrics tells how busy it is, and that it is draining."""
+    port, metrics_port = free_port(), free_port()
     log_path = tmp_path / "experts.log"
-    proc = spawn(["serve-experts", str(demo_gguf), "--port", str(port), "--layers", "1-1", "--cpus", "0"], log_path)
+    proc = spawn(["serve-experts", str(demo_gguf), "--port", str(port), "--layers", "1-1", "--cpus", "0",
+                  "--metrics-port", str(metrics_port)], log_path)
     try:
         wait_grpc_serving(f"127.0.0.1:{port}", 60, proc)
         with cluster_channel(f"127.0.0.1:{port}") as channel:
@@ -322,11 +332,20 @@ def test_sigterm_drains_answering_hops_until_the_last_link_closes(demo_gguf, tmp
                                     timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
             assert serving() and not stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).draining
+            assert scrape(metrics_port)["splitmoe_expert_hops_total"] == 0
             stream = Stream(stub)
             expected = stream.ask(request(1, *routing(2)))
             assert not expected.error  # an open stream: an attention service relying on us
+            for _ in range(2):
+                stream.ask(request(1, *routing(64)))
+            busy = scrape(metrics_port)
+            assert busy["splitmoe_expert_hops_total"] == 3 and busy["splitmoe_expert_compute_seconds_total"] > 0
+            assert busy["splitmoe_expert_links"] == 1 and busy["splitmoe_expert_hops_in_progress"] == 0
+            assert busy["splitmoe_expert_hosted_pairs"] == 8 and busy["splitmoe_expert_hosted_bytes"] > 0
+            assert busy["splitmoe_expert_draining"] == 0
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
+            assert scrape(metrics_port)["splitmoe_expert_draining"] == 1
             # draining: it says so (and probes fail, so that Kubernetes takes it out of its Service),
             # and goes on answering hops until its last link closes
             assert stub.DescribeShard(expert_pb2.DescribeShardRequest(), timeout=10).draining and not serving()
