@@ -2,7 +2,12 @@
 #   docker build -t splitmoe .
 #   docker run --rm -p 8000:8000 splitmoe          # the whole stack in one container, demo model
 #   docker compose up --scale expert=3             # one container per service: see compose.yaml
-FROM python:3.11-slim
+# Where Docker Hub is out of reach, build on a local base (tests/compose/base_image.sh makes one
+# from the Debian mirror) and take torch from a local wheel directory served over HTTP:
+#   docker build --build-arg BASE_IMAGE=splitmoe-base:bookworm \
+#       --build-arg TORCH_PIP_ARGS="--no-index --find-links http://172.17.0.1:8765/" -t splitmoe:local .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -11,9 +16,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # CPU-only torch from PyTorch's CPU index, pinned, before anything else: the PyPI wheel bundles
 # CUDA libraries (gigabytes) that CPU expert services never use. `pip install .` below then finds
-# its `torch>=2.4` requirement already met and leaves it alone.
+# its `torch>=2.4` requirement already met and leaves it alone. TORCH_PIP_ARGS: where pip finds it
+# (a local wheel directory: see the top).
 ARG TORCH_VERSION=2.13.0
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+RUN pip install ${TORCH_PIP_ARGS} "torch==${TORCH_VERSION}"
 
 # Only what the package needs (the tests and any local models stay out of the image).
 WORKDIR /opt/splitmoe/src

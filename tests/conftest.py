@@ -21,12 +21,25 @@ STACK_FIXTURES = frozenset({"bf16_stack"})
 def pytest_collection_modifyitems(config, items):
     mark_stack_fixture_users(items)
     skip_cuda_without_a_gpu(items)
+    skip_compose_unless_asked(config, items)
 
 
 def mark_stack_fixture_users(items) -> None:
     for item in items:
         if STACK_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.stack)
+
+
+def skip_compose_unless_asked(config, items) -> None:
+    """`compose` tests build the image (minutes): they run when `-m` names them (-m compose)."""
+    wanted = config.getoption("markexpr") or ""
+    if "compose" in wanted and "not compose" not in wanted:
+        return
+    skip = pytest.mark.skip(reason="builds the image and runs docker compose (minutes): "
+                                   "python -m pytest -m compose tests/compose")
+    for item in items:
+        if item.get_closest_marker("compose") is not None:
+            item.add_marker(skip)
 
 
 def skip_cuda_without_a_gpu(items) -> None:

@@ -152,13 +152,24 @@ def test_expert_service_scales_and_starts_unassigned(compose):
     assert "--unassigned" in expert["command"]
 
 
-def test_our_services_send_traces_to_jaeger(compose):
+def test_traces_go_where_the_environment_says_and_jaeger_is_in_the_observability_profile(compose):
     services = compose["services"]
-    for name in OURS:
-        assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
+    for name in OURS:  # the core stack runs without a collector: none by default
+        assert services[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "", name
+        assert not any(d in services[name].get("depends_on", {}) for d in ("jaeger", "prometheus", "grafana"))
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one:")
     assert "4317" in jaeger["expose"] and any(p.endswith(":16686") for p in jaeger["ports"])
+    assert "http://jaeger:4317 docker compose --profile observability up" in (REPO / "compose.yaml").read_text()
+    for name in ("jaeger", "prometheus", "grafana"):
+        assert services[name]["profiles"] == ["observability"], name
+
+
+def test_published_ports_bind_loopback_only_and_the_file_runs_on_compose_v1_too(compose):
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+    assert "name" not in compose  # Compose v1 (Debian's docker-compose 1.29) refuses a top-level name
 
 
 def test_the_model_comes_from_one_mounted_directory_or_the_baked_demo(compose, dockerfile):
@@ -195,7 +206,7 @@ def test_services_address_each_other_on_the_ports_they_listen_on(compose):
     gateway = parse_cli(services["gateway"]["command"])
     assert attention.expert_services == (f"expert:{expert.port}",)  # the DNS name of every replica
     assert gateway.attention == f"attention:{attention.port}"
-    assert services["gateway"]["ports"] == [f"8000:{gateway.port}"]
+    assert services["gateway"]["ports"] == [f"127.0.0.1:8000:{gateway.port}"]
 
 
 # ---- the Dockerfile ----
@@ -217,8 +228,12 @@ def test_dockerfile_default_command_parses(dockerfile):
 
 
 def test_dockerfile_builds_cpu_torch_on_python_slim_as_non_root(dockerfile):
-    assert re.search(r"^FROM python:3\.11-slim\s*$", dockerfile, flags=re.MULTILINE)
-    assert re.search(r"--index-url https://download\.pytorch\.org/whl/cpu \"torch==", dockerfile)
+    # by default: python:3.11-slim and PyTorch's CPU index; both replaceable (a local base, a wheel directory)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim\s*$", dockerfile, flags=re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}\s*$", dockerfile, flags=re.MULTILINE)
+    assert re.search(r'^ARG TORCH_PIP_ARGS="--index-url https://download\.pytorch\.org/whl/cpu"$', dockerfile,
+                     flags=re.MULTILINE)
+    assert re.search(r'^RUN pip install \$\{TORCH_PIP_ARGS\} "torch==', dockerfile, flags=re.MULTILINE)
     users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
 

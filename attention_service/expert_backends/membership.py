@@ -26,7 +26,7 @@ from splitmoe.attention_service.expert_backends.service_client import ExpertServ
 from splitmoe.attention_service.expert_backends.services import is_ip, read_hosts_file, resolve_addresses
 
 log = logging.getLogger(__name__)
-RETRY_CANDIDATE_S = 5.0  # a candidate that failed its health check is tried again after this
+RETRY_CANDIDATE_S = 2.0  # a candidate that failed its health check is tried again after this
 MISSING_ROUNDS = 2       # rounds an address must be missing from its name's answer before it is leaving
 
 
