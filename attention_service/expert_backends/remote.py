@@ -12,7 +12,9 @@ Every layer call's routing is counted (expert_backends/heat.py). `rebalance` mov
 serving: from the heat it plans which experts stay here and which service hosts (and replicates)
 which (expert_backends/load_plan.py); the services load their new pairs beside the old, the placement
 switches between two layer calls, then the old pairs are released. No call is dropped: each runs
-entirely on one placement, whose experts stay loaded until it is done.
+entirely on one placement, whose experts stay loaded until it is done. A membership change (a
+service joining or leaving while serving: expert_backends/membership.py) goes the same three steps,
+with the new set of services.
 """
 from __future__ import annotations
 
