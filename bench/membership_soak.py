@@ -1,6 +1,6 @@
 """Expert services scaled while serving, soaked: `--streams` streams decode without pause while the
-number of expert services follows `--counts` (default 1, 4, 1, 3), one step every `--step-s`
-seconds, for `--duration-s` in all (the counts repeat).
+number of expert services follows `--counts` (default 1, 4, 1, 3), then `--step-s` seconds
+of decoding (the counts repeat, `--duration-s` / `--step-s` steps).
 
     python -m splitmoe.bench.membership_soak --dir /tmp/soak [--model FILE] [--duration-s 300]
 
@@ -164,13 +164,14 @@ def soak(args) -> dict:
         try:
             for count in itertools.islice(itertools.cycle(args.counts), max(1, round(args.duration_s / args.step_s))):
                 step_start_s = time.monotonic()
-                experts.scale(count)
+                experts.scale(count)  # started (serving) or drained and gone: the step counts from here
                 before = hops(stub)
                 answered = results["answered"]
-                time.sleep(max(0.0, args.step_s - (time.monotonic() - step_start_s)))
+                time.sleep(args.step_s)
                 after = hops(stub)
                 steps.append({"services": count, "at_s": round(step_start_s - start_s, 1),
-                              "hops_by_service": {ip: after.get(ip, 0) - before.get(ip, 0) for ip in after},
+                              # every running service, 0 for one that was never given work
+                              "hops_by_service": {ip: after.get(ip, 0) - before.get(ip, 0) for ip in experts.running},
                               "answered": results["answered"] - answered})
                 print(json.dumps(steps[-1]), flush=True)
         finally:

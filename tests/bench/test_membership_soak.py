@@ -11,7 +11,7 @@ from splitmoe.bench.membership_soak import main
 def test_a_short_soak_loses_nothing_and_every_newcomer_takes_work(tmp_path, demo_gguf):
     report_path = tmp_path / "soak.json"
     assert main(["--dir", str(tmp_path), "--model", str(demo_gguf), "--streams", "4", "--counts", "1,2",
-                 "--step-s", "3", "--duration-s", "9", "--json", str(report_path)]) == 0
+                 "--step-s", "4", "--duration-s", "12", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert report["answered"] > 0 and report["failed"] == report["corrupted"] == 0
     assert [s["services"] for s in report["steps"]] == [1, 2, 1]
