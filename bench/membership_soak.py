@@ -115,13 +115,13 @@ def soak(args) -> dict:
     import grpc
     import torch
 
-    from splitmoe.demo import trained_model_path
+    from splitmoe.demo_model import demo_model_path
     from splitmoe.proto import attention_pb2_grpc
     from splitmoe.runtime.cluster_auth import ClusterSecurity
     from splitmoe.supervisor import free_port
 
     args.dir.mkdir(parents=True, exist_ok=True)
-    model = args.model or trained_model_path()
+    model = args.model or demo_model_path()
     token = "soak-cluster-secret-" + os.urandom(8).hex()
     port, attention_port = free_port(), free_port()
     hosts = args.dir / "hosts"
@@ -194,7 +194,7 @@ def soak(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m splitmoe.bench.membership_soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", type=Path, required=True, help="logs, the hosts file")
-    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the demo model)")
+    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the demo model's shape, random weights)")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--counts", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 1, 3],
                    help="expert services per step, repeated (default 1,4,1,3)")
