@@ -355,6 +355,9 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             num_steps=m.engine.stats.num_steps, max_batch_seqs_seen=m.engine.stats.max_batch_seqs,
             max_batch_tokens_seen=m.engine.stats.max_batch_tokens,
             prefix_cache_queries=blocks.prefix_stats.queries, prefix_cache_hits=blocks.prefix_stats.hits,
+            spec_num_drafts=m.engine.spec_stats.num_drafts, spec_num_draft_tokens=m.engine.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=m.engine.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=list(m.engine.spec_stats.accepted_per_position),
             device=str(m.runner.options.device))
         _add_device_memory(stats, m)
         await asyncio.to_thread(_add_expert_stats, stats, m)

@@ -158,7 +158,7 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
     runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
                           settings.max_waiting_requests)
-    engine = Engine(runner, scheduler, classify_error)
+    engine = Engine(runner, scheduler, classify_error, settings.speculation)
     tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
     model = ServingModel(
         settings=settings, runner=runner, engine=engine, tokenizer=tokenizer,

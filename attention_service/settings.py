@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitmoe.attention_service.engine.speculation import SpeculationSettings
 from splitmoe.attention_service.engine.tool_calls import FORMATS
 from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
 from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
@@ -41,6 +42,7 @@ class AttentionSettings:
     security: ClusterSecurity = ClusterSecurity()
     # The hottest routed experts kept in GPU memory (expert_backends/gpu_hot.py); needs a CUDA device.
     gpu_experts: HeatBudget = HeatBudget()
+    speculation: SpeculationSettings = SpeculationSettings()  # drafted tokens verified per step (none by default)
 
     def __post_init__(self):
         if self.reasoning_format not in ("auto", "none"):

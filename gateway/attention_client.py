@@ -228,4 +228,5 @@ def stats_of(s: pb.AttentionStats) -> AttentionStats:
     heat = tuple(_answer(ExpertHeat, e, placed_on=tuple(e.placed_on)) for e in s.expert_heat)
     return _answer(AttentionStats, s, hops=hops, expert_tokens=tuple(_answer(ExpertTokens, e) for e in s.expert_tokens),
                    expert_heat=heat, uncovered_layers=tuple(s.uncovered_layers),
-                   device_memory=tuple(_answer(DeviceMemory, m) for m in s.device_memory))
+                   device_memory=tuple(_answer(DeviceMemory, m) for m in s.device_memory),
+                   spec_accepted_per_position=tuple(s.spec_accepted_per_position))

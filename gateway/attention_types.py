@@ -206,3 +206,7 @@ class AttentionStats:
     uncovered_layers: tuple[int, ...] = ()    # MoE layers with an expert no healthy service hosts
     device: str = ""                          # where attention runs: "cpu" or the GPU's name
     device_memory: tuple[DeviceMemory, ...] = ()  # on a GPU: its memory by use
+    spec_num_drafts: int = 0                  # speculative decoding: drafts verified
+    spec_num_draft_tokens: int = 0            # drafted tokens in them
+    spec_num_accepted_tokens: int = 0         # of those, accepted
+    spec_accepted_per_position: tuple[int, ...] = ()  # accepted, by position in the draft

@@ -157,6 +157,18 @@ def _scheduler_families(s: AttentionStats) -> Iterator[Metric]:
                               value=s.prefix_cache_queries)
     yield CounterMetricFamily("splitmoe:prefix_cache_hits", "Prefix cache hits, in tokens (not computed).",
                               value=s.prefix_cache_hits)
+    # vLLM's speculative decoding counters: the acceptance rate is rate(accepted) / rate(draft tokens)
+    yield CounterMetricFamily("splitmoe:spec_decode_num_drafts", "Drafts verified (speculative decoding).",
+                              value=s.spec_num_drafts)
+    yield CounterMetricFamily("splitmoe:spec_decode_num_draft_tokens", "Drafted tokens verified.",
+                              value=s.spec_num_draft_tokens)
+    yield CounterMetricFamily("splitmoe:spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+                              value=s.spec_num_accepted_tokens)
+    per_position = CounterMetricFamily("splitmoe:spec_decode_num_accepted_tokens_per_pos",
+                                       "Drafted tokens accepted, by position in the draft.", labels=["position"])
+    for position, accepted in enumerate(s.spec_accepted_per_position):
+        per_position.add_metric([str(position)], accepted)
+    yield per_position
 
 
 def _hop_families(s: AttentionStats) -> Iterator[Metric]:

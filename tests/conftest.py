@@ -79,7 +79,9 @@ def bf16_stack(demo_gguf, tmp_path_factory):
     official openai client (structured outputs, tool calls)."""
     from tests.support.stack import running_stack
 
-    with running_stack(demo_gguf, tmp_path_factory.mktemp("bf16-stack-logs"), "--dtype", "bfloat16") as s:
+    # speculation on: every greedy request the shared stack serves verifies n-gram drafts (bfloat16, services)
+    with running_stack(demo_gguf, tmp_path_factory.mktemp("bf16-stack-logs"), "--dtype", "bfloat16",
+                       "--speculative", "ngram") as s:
         yield s
 
 

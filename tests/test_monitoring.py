@@ -65,13 +65,17 @@ def test_the_name_extractor_finds_metrics_and_skips_functions_and_labels():
 
 @pytest.fixture(scope="module")
 def exported(bf16_stack, openai_client, served_model_id) -> set[str]:
-    """Sample names on the stack's /metrics after a streamed and a plain chat request (histograms,
-    token counters and per-expert counts only appear once something was generated)."""
+    """Sample names on the stack's /metrics after a streamed and two plain chat requests (histograms,
+    token counters, per-expert counts and drafts' acceptance by position only appear once something
+    was generated)."""
     messages = [{"role": "user", "content": "Hello!"}]
     for chunk in openai_client.chat.completions.create(model=served_model_id, messages=messages, max_tokens=8,
                                                         stream=True):
         pass
     openai_client.chat.completions.create(model=served_model_id, messages=messages, max_tokens=4)
+    # greedy, long enough for the stack's n-gram drafts (conftest: --speculative ngram) to be verified
+    openai_client.chat.completions.create(model=served_model_id, messages=[{"role": "user", "content": "a b a b a b"}],
+                                          max_tokens=24, temperature=0)
     text = httpx.get(bf16_stack.url + "/metrics", timeout=30).text
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
 from splitmoe.attention_service.engine.sampling import Sampled
 from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
+from splitmoe.attention_service.engine.speculation import SpeculationSettings, SpeculationStats, drafter_for
 from splitmoe.attention_service.engine.token_mask import TokenMasks
 from splitmoe.attention_service.model.runner import ModelRunner
 from splitmoe.attention_service.model.sequence import Sequence
@@ -45,10 +46,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, classify_error: Callable[[Exception], str]):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, classify_error: Callable[[Exception], str],
+                 speculation: SpeculationSettings = SpeculationSettings()):
         self.runner = runner
         self.scheduler = scheduler
+        self.speculation = speculation
+        self.drafter = drafter_for(speculation)  # (tokens, how many) -> drafted tokens
         self.stats = EngineStats()
+        self.spec_stats = SpeculationStats()
         self.token_masks = TokenMasks(runner.cfg.vocab_size)
         self._classify_error = classify_error
         self._lock = threading.Condition()
@@ -109,9 +114,13 @@ class Engine:
                 commands, self._inbox = self._inbox, []
                 for command in commands:
                     command()
+            self._propose_drafts()
             step = self.scheduler.schedule()
             if step is not None:
-                self._run_step(step)
+                if any(r.draft for r in step.requests):
+                    self._run_speculative_step(step)
+                else:
+                    self._run_step(step)
             self._log_prefix_cache(idle=not self.scheduler.has_work())
 
     def _add(self, request: GenerationRequest) -> None:
@@ -148,6 +157,70 @@ class Engine:
             outputs.append((request.sink, output))
         # Handed over after the whole step's sampling: the receivers' threads (the serving loop)
         # wake once for the step and do not take the interpreter from the sampling in between.
+        for sink, output in outputs:
+            sink(output)
+
+    # ---- speculative decoding (speculation.py) ---------------------------------------------------
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the plainly greedy decoding requests, while few enough decode together."""
+        spec = self.speculation
+        running = self.scheduler.running
+        if not spec.enabled or len(running) > spec.max_batch_seqs:
+            return
+        for request in running:
+            seq = request.seq
+            if (seq.num_tokens - seq.num_cached_tokens != 1 or request.grammar is not None
+                    or not request.sampler.plain_greedy):
+                continue
+            # every draft accepted still leaves room for the model's own token after them
+            room = min(request.options.max_tokens - request.num_output_tokens,
+                       request.max_context_tokens - seq.num_tokens) - 1
+            if room > 0:
+                request.draft = self.drafter(seq.token_ids, min(spec.num_tokens, room))
+
+    def _run_speculative_step(self, step: ScheduledStep) -> None:
+        """`_run_step` for a step in which some requests verify drafts: all K+1 positions of each
+        scored at once, drafts kept up to the first the model would not have chosen, then the
+        model's token; the sequence cut back to that, and only then its blocks named."""
+        drafts = [r.draft for r in step.requests]
+        for request, draft in zip(step.requests, drafts):
+            request.seq.token_ids.extend(draft)
+            request.draft = []
+        try:
+            with _step_span(step):
+                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens,
+                                          logits_tokens=[1 + len(d) for d in drafts], commit=False).cpu()
+        except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
+            for request, draft in zip(step.requests, drafts):
+                del request.seq.token_ids[request.seq.num_tokens - len(draft):]
+            self._fail(step.requests, e)
+            return
+        self._count(step)
+        outputs, row = [], 0
+        for request, draft in zip(step.requests, drafts):
+            seq, rows = request.seq, logits[row:row + 1 + len(draft)]
+            row += 1 + len(draft)
+            if seq.num_cached_tokens < seq.num_tokens:  # a prompt chunk: nothing to sample yet
+                self.runner.commit(seq)
+                continue
+            del seq.token_ids[seq.num_tokens - len(draft):]
+            seq.num_cached_tokens = seq.num_tokens  # the drafts' KV counts once each is accepted
+            finished, num_accepted = False, 0
+            for j in range(len(draft) + 1):
+                sampled = request.sampler(rows[j])
+                output = request.accept(sampled)
+                outputs.append((request.sink, output))
+                finished = output.finished
+                if finished or j == len(draft) or sampled.token_id != draft[j]:
+                    break
+                num_accepted += 1
+                seq.num_cached_tokens += 1  # the draft's KV was computed for this very token
+            if draft:
+                self.spec_stats.add(len(draft), num_accepted)
+            self.runner.commit(seq)
+            if finished:
+                self._finish(request)
         for sink, output in outputs:
             sink(output)
 

@@ -1,7 +1,7 @@
 """One generation request's state as it moves through the scheduler."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from splitmoe.attention_service.engine.grammar import Grammar
@@ -48,6 +48,7 @@ class GenerationRequest:
     num_prompt_tokens: int = 0
     trace_context: Any = None  # the caller's span context: engine steps are traced under it
     grammar: Grammar | None = None  # structured output: what the tokens must match (None: free text)
+    draft: list[int] = field(default_factory=list)  # tokens to verify in the next step (speculation.py)
 
     def __post_init__(self):
         self.num_prompt_tokens = self.seq.num_tokens

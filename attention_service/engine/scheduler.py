@@ -73,12 +73,28 @@ class Scheduler:
                 continue
             self.blocks.take(request.seq, self.blocks.cached_prefix(request.seq), admitted=False)
             n = self._chunk_tokens(request, request.seq.num_cached_tokens, budget, admitting=False)
+            n += self._drafts(request, n, budget)
             if n and self._reserve_or_preempt(request, n, protect=chosen):
                 chosen.append(request)
                 counts.append(n)
                 budget -= n
         budget = self._admit(chosen, counts, budget)
         return ScheduledStep(chosen, counts) if chosen else None
+
+    def _drafts(self, request: GenerationRequest, n: int, budget: int) -> int:
+        """Drafted tokens a decoding request verifies this step (speculation.py), within the budget
+        and the free KV blocks (a draft never preempts anyone: it is dropped instead)."""
+        if not request.draft:
+            return 0
+        seq = request.seq
+        if n != 1 or seq.num_tokens - seq.num_cached_tokens != 1:
+            request.draft = []  # a prompt chunk is not a decode: no draft
+            return 0
+        draft = request.draft[:max(0, budget - 1)]
+        if self.blocks.blocks_needed(seq.seq_id, seq.num_tokens + len(draft)) > self.blocks.num_free_blocks:
+            draft = []
+        request.draft = draft
+        return len(draft)
 
     def _admit(self, chosen: list[GenerationRequest], counts: list[int], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_running_seqs:

@@ -107,10 +107,12 @@ class ModelRunner:
         return cls(g, cfg, model, options)
 
     def step(self, seqs: list[Sequence], num_new_tokens: list[int] | None = None,
-             all_logits: bool = False) -> torch.Tensor:
+             all_logits: bool = False, logits_tokens: list[int] | None = None, commit: bool = True) -> torch.Tensor:
         """Run each sequence's next `num_new_tokens` uncached tokens (default: all of them).
 
-        Returns float32 logits: of every new token if `all_logits`, else of each sequence's last.
+        Returns float32 logits: of every new token if `all_logits`, else of each sequence's last
+        `logits_tokens[i]` tokens (default 1), in sequence order. `commit=False`: the caller names
+        the filled blocks itself (`commit`), once it has cut rejected draft tokens off.
         """
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
@@ -119,13 +121,18 @@ class ModelRunner:
                                                   for s, n in zip(seqs, num_new_tokens)):
             logits = self._static_step(seqs)
         if logits is None:
-            batch = self._build_batch(seqs, num_new_tokens, all_logits)
+            batch = self._build_batch(seqs, num_new_tokens, all_logits, logits_tokens)
             with one_torch_thread() if batch.num_tokens <= self._glue_only_rows else contextlib.nullcontext():
                 logits = self.model.forward(batch, self.kv)
         for s, n in zip(seqs, num_new_tokens):
             s.num_cached_tokens += n
-            self.blocks.commit(s)  # only now: a step that fails must leave no named block behind
+            if commit:
+                self.blocks.commit(s)  # only now: a step that fails must leave no named block behind
         return logits
+
+    def commit(self, seq: Sequence) -> None:
+        """Name the blocks `seq`'s computed tokens filled (after a step run with commit=False)."""
+        self.blocks.commit(seq)
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -159,10 +166,11 @@ class ModelRunner:
             contexts.append(self.blocks.slots(s.seq_id, 0, s.num_tokens))
         return self.static_decode.run(DecodeRows([s.token_ids[-1] for s in seqs], contexts))
 
-    def _build_batch(self, seqs: list[Sequence], num_new_tokens: list[int], all_logits: bool) -> StepBatch:
+    def _build_batch(self, seqs: list[Sequence], num_new_tokens: list[int], all_logits: bool,
+                     logits_tokens: list[int] | None = None) -> StepBatch:
         ids, positions, new_slots, slices, logits_rows, experts = [], [], [], [], [], []
         row = 0
-        for s, n in zip(seqs, num_new_tokens):
+        for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
             start, end = s.num_cached_tokens, s.num_cached_tokens + n
             if n <= 0 or end > s.num_tokens:
                 raise ValueError(f"sequence {s.seq_id}: cannot run tokens {start}..{end} of {s.num_tokens}")
@@ -172,7 +180,8 @@ class ModelRunner:
             positions.append(torch.arange(start, end))
             new_slots.append(context[start:])
             slices.append(SeqSlice(row, row + n, context.to(self.options.device)))
-            logits_rows.extend(range(row, row + n) if all_logits else [row + n - 1])
+            last = n if all_logits else min(logits_tokens[i], n) if logits_tokens else 1
+            logits_rows.extend(range(row + n - last, row + n))
             experts.extend([s.num_experts_per_token or self.cfg.num_experts_used] * n)
             row += n
         dev = self.options.device

@@ -86,6 +86,14 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                            help="on a CUDA device: keep N routed (layer, expert) pairs, or SIZE of them (4G), in GPU "
                                 "memory (bfloat16): the hottest by --heat-file's rates, else whole MoE layers from "
                                 "the first; the rest stay on the expert services (default: none)")),
+    ("--speculative", dict(choices=["none", "ngram"], default="none",
+                           help="speculative decoding: ngram drafts each greedy stream's next tokens from its own "
+                                "prompt and output (prompt lookup), verified all at once in one step, one hop per "
+                                "layer for all of them; the output is exactly what decoding one token at a time "
+                                "gives. Sampled, penalised, biased, grammar-bound or logprobs requests decode as "
+                                "before")),
+    ("--num-speculative-tokens", dict(type=int, default=4, metavar="K",
+                                      help="drafted tokens per step and stream, with --speculative")),
     ("--micro-batches", dict(type=int, choices=[1, 2], default=1,
                              help="2: cut each step of several sequences in two and pipeline the halves, so "
                                   "that attention of one overlaps the remote experts of the other "
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from splitmoe.attention_service.engine.speculation import SpeculationSettings
     from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
     from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import DTYPES, default_device
@@ -163,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         runner=runner, experts=experts, max_batch_tokens=args.max_batch_tokens, max_running_seqs=args.max_running,
         max_waiting_requests=args.max_waiting, otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format,
         tool_call_parser=args.tool_call_parser, security=security,
-        gpu_experts=HeatBudget.parse(args.gpu_experts or "0", "--gpu-experts"))
+        gpu_experts=HeatBudget.parse(args.gpu_experts or "0", "--gpu-experts"),
+        speculation=SpeculationSettings(args.speculative, args.num_speculative_tokens))
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -55,6 +55,17 @@ def test_stats_become_gauges_and_counters_at_scrape():
     assert s[("splitmoe:attention_service_up", ())] == 1
 
 
+def test_speculative_decoding_counters_carry_vllms_names():
+    stats = AttentionStats(spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=25,
+                           spec_accepted_per_position=(9, 7, 5, 4))
+    s = samples(GatewayMetrics().render(stats))
+    assert s[("splitmoe:spec_decode_num_drafts_total", ())] == 10
+    assert s[("splitmoe:spec_decode_num_draft_tokens_total", ())] == 40
+    assert s[("splitmoe:spec_decode_num_accepted_tokens_total", ())] == 25
+    assert [s[("splitmoe:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))]
+            for p in range(4)] == [9, 7, 5, 4]
+
+
 def test_heat_placement_and_imbalance_become_gauges():
     stats = AttentionStats(expert_imbalance=1.75, expert_heat=(
         ExpertHeat(layer=0, expert=3, tokens=40, tokens_per_s=12.5, placed_on=("a:1", "b:2")),

@@ -1,0 +1,98 @@
+"""Speculative decoding: drafted tokens verified in one step (issue 30; n-gram drafts so far).
+
+A step through SplitMoE pays one round trip to the expert services per MoE layer whatever the
+number of tokens in it: a decoding sequence that carries K drafted tokens has all K+1 positions
+scored in that one pass (one hop per layer carrying every row), and keeps the drafts up to the
+first the model would not have chosen, plus the model's own token there (or after the last).
+
+What is verified and how (engine.py does it, with this module's pieces):
+- Only plainly greedy requests speculate (temperature 0; no penalties, logit_bias, grammar or
+  logprobs): acceptance by exact match then gives exactly the tokens decoding one at a time gives.
+  The others decline speculation, and so decode as before.
+- The drafts' KV is written like any token's; after the check the sequence is cut back to what was
+  accepted, and the cache blocks are named (prefix caching) only then, from the accepted tokens.
+- Drafts: `propose_ngram`, prompt lookup as vLLM's `[ngram]` and llama.cpp's lookup decoding do it:
+  the longest recent n-gram that occurred before in the prompt or the output, and what followed it.
+- Speculation steps aside when more than `max_batch_seqs` sequences decode together: a step that
+  large is bound by computing the experts, which K+1 positions per sequence would multiply.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+METHODS = ("none", "ngram")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationSettings:
+    method: str = "none"        # none | ngram
+    num_tokens: int = 4         # drafted tokens per step and sequence (vLLM's num_speculative_tokens)
+    max_batch_seqs: int = 8     # no drafts while more sequences than this decode together
+    ngram_max: int = 4          # the longest n-gram looked up (vLLM's prompt_lookup_max)
+    ngram_min: int = 1          # the shortest (prompt_lookup_min)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative {self.method!r}: want one of {', '.join(METHODS)}")
+        if self.num_tokens < 1 or self.max_batch_seqs < 1:
+            raise ValueError("--num-speculative-tokens and the batch limit must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"n-gram lengths {self.ngram_min}..{self.ngram_max}: want 1 <= min <= max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass
+class SpeculationStats:
+    """Counters with vLLM's meanings: drafts proposed, draft tokens, accepted ones (and per position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position.append(0)
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+Drafter = Callable[[Sequence[int], int], list[int]]  # (a sequence's tokens, how many) -> drafted tokens
+
+
+def drafter_for(settings: SpeculationSettings) -> Drafter:
+    """The settings' drafter (the n-gram lookup; the draft model and MTP are to come)."""
+    return lambda tokens, num_tokens: propose_ngram(tokens, num_tokens, settings.ngram_max, settings.ngram_min)
+
+
+def propose_ngram(tokens: Sequence[int], num_tokens: int, ngram_max: int = 4, ngram_min: int = 1) -> list[int]:
+    """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest suffix
+    of `tokens` (from `ngram_max` tokens down to `ngram_min`); [] when no suffix occurred before.
+
+    Searched as bytes (C's search, not a Python loop: a step must not pay milliseconds for a long
+    context), matches kept only on token boundaries."""
+    n_tokens = len(tokens)
+    if n_tokens < 2:
+        return []
+    data = array("i", tokens).tobytes()
+    width = data and len(data) // n_tokens
+    for n in range(min(ngram_max, n_tokens - 1), ngram_min - 1, -1):
+        pattern = data[(n_tokens - n) * width:]
+        end = (n_tokens - 1) * width  # an earlier occurrence ends before the last token
+        at = data.rfind(pattern, 0, end)
+        while at > 0 and at % width:
+            at = data.rfind(pattern, 0, at + len(pattern) - 1)
+        if at >= 0:
+            start = at // width + n  # latest match first: recent text predicts the next tokens best
+            follow = list(tokens[start:start + num_tokens])
+            if follow:
+                return follow
+    return []

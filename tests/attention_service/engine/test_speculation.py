@@ -1,0 +1,140 @@
+"""Speculative decoding (engine/speculation.py) changes how many tokens a step verifies, never the
+tokens: at temperature 0 in float32 every request's output is the one decoding token by token
+gives, whatever the drafts (the n-gram lookup's, or garbage), in this process and through expert
+services over shared memory; blocks named for prefix caching hold only accepted tokens."""
+import random
+import threading
+
+import pytest
+import torch
+
+from splitmoe.attention_service.engine.sampling import SamplingOptions
+from splitmoe.attention_service.engine.speculation import SpeculationSettings, SpeculationStats, propose_ngram
+from splitmoe.attention_service.model.runner import RunnerOptions
+from splitmoe.attention_service.service import load_serving_model
+from splitmoe.attention_service.settings import AttentionSettings
+from tests.support.expert_services import FAST_SETTINGS, ExpertServices
+
+# Prompts that repeat themselves (so that the lookup finds drafts) and ones that do not.
+PROMPTS = [[5, 17, 42, 9] * 4, [100, 3, 100, 3, 100, 3, 77], [8, 9, 10, 11, 12, 13], [250, 251, 250, 251, 250],
+           [31, 7, 31, 7, 31, 8, 31, 7, 31]]
+GREEDY = SamplingOptions(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def test_the_ngram_lookup_takes_the_longest_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert propose_ngram([1, 2, 9, 1, 2, 7, 1, 2], 2) == [7, 1]  # the latest occurrence of [1, 2]
+    assert propose_ngram([5, 6, 1, 2, 3, 7, 6, 2, 3], 2) == [7, 6]  # [2, 3] beats [3]'s later match
+    assert propose_ngram([1, 2, 3], 2) == [] and propose_ngram([4], 2) == []
+    # token boundaries: 256 and 1 share bytes (00 01 00 00 / 01 00 00 00); no match across two tokens
+    assert propose_ngram([256, 1, 256], 2) == [1, 256]
+    assert propose_ngram([256, 0, 1], 1) == []  # the bytes of 1 occur in those of 256 and 0, unaligned only
+    assert propose_ngram([3, 4, 3, 4, 3], 4, ngram_max=1) == [4, 3]
+
+
+def test_stats_count_drafts_and_acceptance_per_position():
+    stats = SpeculationStats()
+    stats.add(4, 2)
+    stats.add(2, 2)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 4)
+    assert stats.accepted_per_position == [2, 2, 0, 0]
+    with pytest.raises(ValueError, match="--speculative"):
+        SpeculationSettings(method="medusa")
+
+
+def run(model_path, prompts, speculation, concurrent=True, experts=None, drafter=None, options=GREEDY):
+    """Each prompt's output tokens, and the engine's speculation stats."""
+    runner = RunnerOptions(dtype=torch.float32, device=torch.device("cpu"), kv_cache_tokens=4096, kv_block_tokens=16)
+    model = load_serving_model(AttentionSettings(model_path=str(model_path), runner=runner, experts=experts,
+                                                 speculation=speculation))
+    if drafter is not None:
+        model.engine.drafter = drafter
+    requests, errors, done = [], [], threading.Semaphore(0)
+
+    def sink(out):
+        errors.extend([out.error] if out.error else [])
+        if out.finished:
+            done.release()
+
+    model.engine.start()
+    try:
+        for i, ids in enumerate(prompts):
+            request = model.new_request(f"r{i}", list(ids), options, sink)
+            requests.append(request)
+            model.engine.submit(request)
+            if not concurrent:
+                assert done.acquire(timeout=120)
+        for _ in range(len(prompts) if concurrent else 0):
+            assert done.acquire(timeout=120)
+    finally:
+        model.engine.stop()
+        model.experts.close()
+    assert not errors, errors
+    return [r.seq.token_ids[r.num_prompt_tokens:] for r in requests], model.engine.spec_stats
+
+
+NGRAM = SpeculationSettings("ngram", num_tokens=4)
+
+
+@pytest.mark.parametrize("concurrent", [True, False], ids=["batched", "one-by-one"])
+def test_ngram_speculation_gives_exactly_the_tokens_of_plain_decoding(demo_gguf, concurrent):
+    expected, none = run(demo_gguf, PROMPTS, SpeculationSettings(), concurrent)
+    got, stats = run(demo_gguf, PROMPTS, NGRAM, concurrent)
+    assert got == expected
+    assert none.num_drafts == 0 and all(len(o) == GREEDY.max_tokens for o in got)
+    # it did speculate, and some drafts held (the demo model repeats itself at temperature 0)
+    assert stats.num_draft_tokens > 20 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_garbage_drafts_change_nothing(demo_gguf):
+    expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings())
+    rng = random.Random(0)
+    got, stats = run(demo_gguf, PROMPTS, NGRAM, drafter=lambda tokens, k: [rng.randrange(250) for _ in range(k)])
+    assert got == expected and stats.num_draft_tokens >= len(PROMPTS) * 10
+
+
+def test_a_continuation_reuses_blocks_named_from_speculative_steps(demo_gguf):
+    first, _ = run(demo_gguf, PROMPTS[:1], NGRAM)
+    continued = [PROMPTS[0] + first[0]]  # 16 + 40 tokens: three blocks of 16 named from the first run
+    expected, _ = run(demo_gguf, continued, SpeculationSettings())
+    # one engine: the first request names its blocks, the second takes them (a wrong one would show)
+    runner = RunnerOptions(dtype=torch.float32, device=torch.device("cpu"), kv_cache_tokens=4096, kv_block_tokens=16)
+    model = load_serving_model(AttentionSettings(model_path=str(demo_gguf), runner=runner, speculation=NGRAM))
+    done = threading.Semaphore(0)
+    model.engine.start()
+    try:
+        outputs = []
+        for i, ids in enumerate([PROMPTS[0], continued[0]]):
+            request = model.new_request(f"r{i}", list(ids), GREEDY, lambda out: out.finished and done.release())
+            model.engine.submit(request)
+            assert done.acquire(timeout=120)
+            outputs.append(request.seq.token_ids[request.num_prompt_tokens:])
+    finally:
+        model.engine.stop()
+    assert outputs == [first[0], expected[0]]
+    assert model.runner.blocks.prefix_stats.hits >= 48
+
+
+def test_sampled_requests_decline_speculation(demo_gguf):
+    sampled = SamplingOptions(max_tokens=12, temperature=0.8, seed=3)
+    expected, _ = run(demo_gguf, PROMPTS[:2], SpeculationSettings(), options=sampled)
+    got, stats = run(demo_gguf, PROMPTS[:2], NGRAM, options=sampled)
+    assert got == expected and stats.num_drafts == 0
+
+
+@pytest.mark.stack
+def test_through_two_expert_services_over_shared_memory(demo_gguf, tmp_path):
+    from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
+
+    services = ExpertServices(tmp_path)
+    services.start("low", demo_gguf, "--experts", "0-3")
+    services.start("high", demo_gguf, "--experts", "4-7")
+    try:
+        services.wait()
+        experts = RemoteExpertsSettings(addresses=(services.address("low"), services.address("high")),
+                                        transport="shm", **FAST_SETTINGS)
+        expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings(), experts=experts)
+        got, stats = run(demo_gguf, PROMPTS, NGRAM, experts=experts)
+    finally:
+        services.stop_all()
+    assert got == expected and stats.num_accepted_tokens > 0
