@@ -176,8 +176,9 @@ class Engine:
             # every draft accepted still leaves room for the model's own token after them
             room = min(request.options.max_tokens - request.num_output_tokens,
                        request.max_context_tokens - seq.num_tokens) - 1
-            if room > 0:
-                request.draft = self.drafter(seq.token_ids, min(spec.num_tokens, room))
+            num_tokens = request.draft_length.next(min(spec.num_tokens, room), spec.draft_token_cost) if room > 0 else 0
+            if num_tokens:
+                request.draft = self.drafter(seq.token_ids, num_tokens)
 
     def _run_speculative_step(self, step: ScheduledStep) -> None:
         """`_run_step` for a step in which some requests verify drafts: all K+1 positions of each
@@ -218,6 +219,7 @@ class Engine:
                 seq.num_cached_tokens += 1  # the draft's KV was computed for this very token
             if draft:
                 self.spec_stats.add(len(draft), num_accepted)
+                request.draft_length.update(len(draft), num_accepted)
             self.runner.commit(seq)
             if finished:
                 self._finish(request)

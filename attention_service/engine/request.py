@@ -7,6 +7,7 @@ from typing import Any, Callable
 from splitmoe.attention_service.engine.grammar import Grammar
 from splitmoe.attention_service.engine.reasoning import OutputText
 from splitmoe.attention_service.engine.sampling import RequestSampler, Sampled, SamplingOptions
+from splitmoe.attention_service.engine.speculation import DraftLength
 from splitmoe.attention_service.model.sequence import Sequence
 
 FINISH_STOP, FINISH_LENGTH, FINISH_TOOL_CALLS = "stop", "length", "tool_calls"
@@ -49,6 +50,7 @@ class GenerationRequest:
     trace_context: Any = None  # the caller's span context: engine steps are traced under it
     grammar: Grammar | None = None  # structured output: what the tokens must match (None: free text)
     draft: list[int] = field(default_factory=list)  # tokens to verify in the next step (speculation.py)
+    draft_length: DraftLength = field(default_factory=DraftLength)  # how many to draft, from its acceptance
 
     def __post_init__(self):
         self.num_prompt_tokens = self.seq.num_tokens

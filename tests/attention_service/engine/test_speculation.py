@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from splitmoe.attention_service.engine.sampling import SamplingOptions
-from splitmoe.attention_service.engine.speculation import SpeculationSettings, SpeculationStats, propose_ngram
+from splitmoe.attention_service.engine.speculation import (
+    PROBE_EVERY_STEPS,
+    DraftLength,
+    SpeculationSettings,
+    SpeculationStats,
+    propose_ngram,
+)
 from splitmoe.attention_service.model.runner import RunnerOptions
 from splitmoe.attention_service.service import load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
@@ -86,11 +92,25 @@ def test_ngram_speculation_gives_exactly_the_tokens_of_plain_decoding(demo_gguf,
     assert stats.num_draft_tokens > 20 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
 
 
-def test_garbage_drafts_change_nothing(demo_gguf):
+def test_garbage_drafts_change_nothing_and_soon_stop_being_drafted(demo_gguf):
     expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings())
     rng = random.Random(0)
     got, stats = run(demo_gguf, PROMPTS, NGRAM, drafter=lambda tokens, k: [rng.randrange(250) for _ in range(k)])
-    assert got == expected and stats.num_draft_tokens >= len(PROMPTS) * 10
+    assert got == expected
+    # each request drafts until its acceptance says drafts do not pay, then only a probe every 16 steps
+    assert len(PROMPTS) <= stats.num_drafts <= len(PROMPTS) * (3 + GREEDY.max_tokens // PROBE_EVERY_STEPS)
+    assert stats.num_accepted_tokens <= stats.num_drafts // 4
+
+
+def test_the_draft_length_follows_the_measured_acceptance():
+    length = DraftLength()
+    assert length.next(4, 0.4) == 1  # a = 0.5 before anything is measured
+    for _ in range(10):
+        length.update(4, 4)  # every draft held
+    assert length.next(4, 0.4) == 4 and length.next(2, 0.4) == 2
+    for _ in range(20):
+        length.update(length.next(4, 0.4) or 1, 0)  # none held
+    assert [length.next(4, 0.4) for _ in range(PROBE_EVERY_STEPS)].count(1) == 1  # a probe, else nothing
 
 
 def test_a_continuation_reuses_blocks_named_from_speculative_steps(demo_gguf):
