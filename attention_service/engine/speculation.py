@@ -17,9 +17,11 @@ What is verified and how (engine.py does it, with this module's pieces):
   large is bound by computing the experts, which K+1 positions per sequence would multiply.
 - How many tokens to draft follows each request's measured acceptance (`DraftLength`): in a MoE
   model every drafted token routes to its own experts, so a step of K+1 tokens reads up to K+1
-  tokens' experts (measured, 6-layer Qwen3-30B-A3B shape in this process: each drafted token adds
-  ~0.4 of a one-token step). K is chosen to make the most tokens per unit of step time under that
-  cost, none while drafts are not paying (with a one-token probe now and then).
+  tokens' experts. Measured whole engine steps (Qwen3-30B-A3B shape, Zen 5, bench/spec_bench.py:
+  drafts that never hold): a step verifying 4 drafts took 1.7-1.9 one-token steps, 6 and 24 layers,
+  in this process and through a service: ~0.2 of a step per drafted token (the runner's part
+  alone, without the step's fixed costs, ~0.4). K is chosen to make the most tokens per unit of
+  step time at 0.25 a drafted token, none while drafts are not paying (a one-token probe now and then).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 METHODS = ("none", "ngram")
+MAX_SPECULATIVE_TOKENS = 15  # a verification step stays on the decode layer's path (model/attention.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,13 +40,14 @@ class SpeculationSettings:
     max_batch_seqs: int = 8     # no drafts while more sequences than this decode together
     ngram_max: int = 4          # the longest n-gram looked up (vLLM's prompt_lookup_max)
     ngram_min: int = 1          # the shortest (prompt_lookup_min)
-    draft_token_cost: float = 0.4  # a drafted token's cost, in one-token steps (see the module docstring)
+    draft_token_cost: float = 0.25  # a drafted token's cost, in one-token steps (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--speculative {self.method!r}: want one of {', '.join(METHODS)}")
-        if self.num_tokens < 1 or self.max_batch_seqs < 1:
-            raise ValueError("--num-speculative-tokens and the batch limit must be >= 1")
+        if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS or self.max_batch_seqs < 1:
+            raise ValueError(f"--num-speculative-tokens {self.num_tokens}: want 1..{MAX_SPECULATIVE_TOKENS} "
+                             "(and a batch limit >= 1)")
         if self.draft_token_cost <= 0:
             raise ValueError("a drafted token's cost must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:

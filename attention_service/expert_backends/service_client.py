@@ -106,13 +106,14 @@ class ConnectionSettings:
     hedge_floor_s: float = 0.25                # a hop is never abandoned for a replica sooner than this
     hedge_margin: float = 4.0                  # ... nor before this many times its learned quantile
     stats_timeout_s: float = 0.3               # GetStats to one service: what /metrics waits at most
+    load_timeout_s: float = 600.0              # LoadShard: a service reads (and repacks) its share of a large file
     security: ClusterSecurity = ClusterSecurity()  # the secret every call and doorbell carries; TLS
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport {self.transport!r}: want one of {', '.join(TRANSPORTS)}")
         if min(self.expert_timeout_s, self.connect_timeout_s, self.keepalive_s, self.hedge_floor_s,
-               self.hedge_margin, self.stats_timeout_s) <= 0:
+               self.hedge_margin, self.stats_timeout_s, self.load_timeout_s) <= 0:
             raise ValueError("expert timeouts, the keepalive and the hedge budget must be positive")
 
 
@@ -217,7 +218,7 @@ class ExpertServiceClient:
 
     def load(self, shard: ServiceShard) -> ServiceShard:
         """LoadShard: make the service host exactly `shard`'s pairs; what it reports hosting."""
-        info = self._conn.stub.LoadShard(load_shard_request(shard), timeout=self.settings.expert_timeout_s)
+        info = self._conn.stub.LoadShard(load_shard_request(shard), timeout=self.settings.load_timeout_s)
         self.info = info
         return shard_from_info(self.address, info)
 

@@ -40,6 +40,7 @@ class StepBatch:
     logits_rows: torch.Tensor  # rows of the batch whose logits are wanted
     experts_per_token: torch.Tensor | None = None  # [T]; None: every token uses the model's own k
     paged: PagedContext | None = None  # set: attention reads the cache through this table (decode on a GPU)
+    verification: bool = False  # some sequence verifies drafted tokens (engine/speculation.py)
 
     @property
     def num_tokens(self) -> int:

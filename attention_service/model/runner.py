@@ -192,6 +192,7 @@ class ModelRunner:
             seqs=tuple(slices),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             experts_per_token=self._experts_per_token(seqs, experts),
+            verification=any(n > 1 for n in logits_tokens or ()) and not all_logits,
         )
 
     def _experts_per_token(self, seqs: list[Sequence], per_token: list[int]) -> torch.Tensor | None:

@@ -48,9 +48,10 @@ def test_stats_count_drafts_and_acceptance_per_position():
         SpeculationSettings(method="medusa")
 
 
-def run(model_path, prompts, speculation, concurrent=True, experts=None, drafter=None, options=GREEDY):
+def run(model_path, prompts, speculation, concurrent=True, experts=None, drafter=None, options=GREEDY,
+        dtype=torch.float32):
     """Each prompt's output tokens, and the engine's speculation stats."""
-    runner = RunnerOptions(dtype=torch.float32, device=torch.device("cpu"), kv_cache_tokens=4096, kv_block_tokens=16)
+    runner = RunnerOptions(dtype=dtype, device=torch.device("cpu"), kv_cache_tokens=4096, kv_block_tokens=16)
     model = load_serving_model(AttentionSettings(model_path=str(model_path), runner=runner, experts=experts,
                                                  speculation=speculation))
     if drafter is not None:
@@ -90,6 +91,16 @@ def test_ngram_speculation_gives_exactly_the_tokens_of_plain_decoding(demo_gguf,
     assert none.num_drafts == 0 and all(len(o) == GREEDY.max_tokens for o in got)
     # it did speculate, and some drafts held (the demo model repeats itself at temperature 0)
     assert stats.num_draft_tokens > 20 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_in_bfloat16_a_verification_row_computes_as_a_decode_step(demo_gguf):
+    """The fast path: a stream's drafts are verified on the decode layer's native path, row by row
+    as one-token steps compute, so even bfloat16's rounding gives the same tokens (one stream at a
+    time: a batch of other size may round a near-tie otherwise, speculation or not)."""
+    expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings(), concurrent=False, dtype=torch.bfloat16)
+    always = SpeculationSettings("ngram", num_tokens=6, draft_token_cost=1e-6)  # every step drafts what it can
+    got, stats = run(demo_gguf, PROMPTS, always, concurrent=False, dtype=torch.bfloat16)
+    assert got == expected and stats.num_accepted_tokens > 0
 
 
 def test_garbage_drafts_change_nothing_and_soon_stop_being_drafted(demo_gguf):
