@@ -163,16 +163,15 @@ class Engine:
     # ---- speculative decoding (speculation.py) ---------------------------------------------------
 
     def _propose_drafts(self) -> None:
-        """Drafts for the plainly greedy decoding requests, while few enough decode together."""
+        """Drafts for the decoding requests without a grammar, while few enough decode together."""
         spec = self.speculation
         running = self.scheduler.running
         if not spec.enabled or len(running) > spec.max_batch_seqs:
             return
         for request in running:
             seq = request.seq
-            if (seq.num_tokens - seq.num_cached_tokens != 1 or request.grammar is not None
-                    or not request.sampler.plain_greedy):
-                continue
+            if seq.num_tokens - seq.num_cached_tokens != 1 or request.grammar is not None:
+                continue  # a grammar's mask of each row would follow the drafts before it: not yet
             # every draft accepted still leaves room for the model's own token after them
             room = min(request.options.max_tokens - request.num_output_tokens,
                        request.max_context_tokens - seq.num_tokens) - 1
@@ -182,8 +181,10 @@ class Engine:
 
     def _run_speculative_step(self, step: ScheduledStep) -> None:
         """`_run_step` for a step in which some requests verify drafts: all K+1 positions of each
-        scored at once, drafts kept up to the first the model would not have chosen, then the
-        model's token; the sequence cut back to that, and only then its blocks named."""
+        scored at once, each drafted position's token chosen in order by the request's sampler
+        (`verify`: the argmax, or rejection sampling), drafts kept up to the first it did not keep,
+        then that token; the sequence cut back to that, and only then its blocks named. Penalties
+        and the like see the tokens before each row, as one token at a time."""
         drafts = [r.draft for r in step.requests]
         for request, draft in zip(step.requests, drafts):
             request.seq.token_ids.extend(draft)
@@ -209,7 +210,7 @@ class Engine:
             seq.num_cached_tokens = seq.num_tokens  # the drafts' KV counts once each is accepted
             finished, num_accepted = False, 0
             for j in range(len(draft) + 1):
-                sampled = request.sampler(rows[j])
+                sampled = request.sampler.verify(rows[j], draft[j]) if j < len(draft) else request.sampler(rows[j])
                 output = request.accept(sampled)
                 outputs.append((request.sink, output))
                 finished = output.finished

@@ -117,8 +117,34 @@ class RequestSampler:
         The logprobs are logits − logsumexp(logits): one pass over the vocabulary instead of a
         whole log-softmax written out, per token; none at all when the request wants none.
         """
+        return self._took(logits, self._choose(self._processed(logits)))
+
+    def verify(self, logits: torch.Tensor, drafted: int) -> Sampled:
+        """The token at a drafted position (speculative decoding), distributed exactly as `__call__`'s.
+
+        Greedy: the argmax, as ever (the caller keeps the draft when they agree). Sampling, with a
+        draft proposed with certainty (q one-hot, as the n-gram lookup's): the draft is kept with
+        probability p(draft), else a token is drawn from p with the draft taken out, renormalised;
+        Leviathan et al.'s rejection sampling, whose result is distributed as p itself."""
+        processed = self._processed(logits)
+        if self.options.greedy:
+            return self._took(logits, _argmax(processed))
+        probs = self._probs(processed)
+        total = float(probs.sum())
+        keep = float(probs[drafted]) / total if 0 <= drafted < probs.numel() else 0.0
+        if float(torch.rand((), generator=self._generator)) < keep:
+            return self._took(logits, drafted)
+        residual = probs.clone()
+        if 0 <= drafted < residual.numel():
+            residual[drafted] = 0.0
+        return self._took(logits, int(torch.multinomial(residual, 1, generator=self._generator)))
+
+    def _processed(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._masked_early_stops(self._biased(self._penalize(logits)))
+
+    def _took(self, logits: torch.Tensor, token: int) -> Sampled:
+        """Count `token` as this request's next and say what it was (with logprobs if asked)."""
         o = self.options
-        token = self._choose(self._masked_early_stops(self._biased(self._penalize(logits))))
         self._num_sampled += 1
         if self._counts is not None:
             self._counts[token] += 1
@@ -159,9 +185,13 @@ class RequestSampler:
         return logits.index_fill(0, self._early_stops, float("-inf"))
 
     def _choose(self, logits: torch.Tensor) -> int:
-        o = self.options
-        if o.greedy:
+        if self.options.greedy:
             return _argmax(logits)
+        return int(torch.multinomial(self._probs(logits), 1, generator=self._generator))
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a sampled token is drawn from: temperature, top-k, min-p, top-p (unnormalised after the cuts)."""
+        o = self.options
         logits = logits / o.temperature
         if o.top_k:
             kth = torch.topk(logits, min(o.top_k, logits.numel())).values[-1]
@@ -171,7 +201,7 @@ class RequestSampler:
             probs = probs.masked_fill(probs < o.min_p * probs.max(), 0.0)
         if o.top_p < 1.0:
             probs = _top_p(probs, o.top_p)
-        return int(torch.multinomial(probs, 1, generator=self._generator))
+        return probs
 
 
 def _bias_tensors(logit_bias: tuple[tuple[int, float], ...], vocab_size: int

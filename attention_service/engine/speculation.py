@@ -6,9 +6,12 @@ scored in that one pass (one hop per layer carrying every row), and keeps the dr
 first the model would not have chosen, plus the model's own token there (or after the last).
 
 What is verified and how (engine.py does it, with this module's pieces):
-- Only plainly greedy requests speculate (temperature 0; no penalties, logit_bias, grammar or
-  logprobs): acceptance by exact match then gives exactly the tokens decoding one at a time gives.
-  The others decline speculation, and so decode as before.
+- Every request without a grammar speculates. Each drafted position's token is chosen by the
+  request's own sampler in order (penalties, bias, min_tokens and logprobs see the tokens before
+  it, as one token at a time): greedy, its argmax, a draft kept when they agree, which gives
+  exactly the tokens decoding one at a time gives; sampling, rejection sampling (the draft kept
+  with probability p(draft), else a token drawn from p without it), which gives tokens distributed
+  exactly as p. Requests with a grammar decline, and decode as before.
 - The drafts' KV is written like any token's; after the check the sequence is cut back to what was
   accepted, and the cache blocks are named (prefix caching) only then, from the accepted tokens.
 - Drafts: `propose_ngram`, prompt lookup as vLLM's `[ngram]` and llama.cpp's lookup decoding do it:

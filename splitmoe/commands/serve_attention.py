@@ -87,11 +87,11 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                                 "memory (bfloat16): the hottest by --heat-file's rates, else whole MoE layers from "
                                 "the first; the rest stay on the expert services (default: none)")),
     ("--speculative", dict(choices=["none", "ngram"], default="none",
-                           help="speculative decoding: ngram drafts each greedy stream's next tokens from its own "
+                           help="speculative decoding: ngram drafts each stream's next tokens from its own "
                                 "prompt and output (prompt lookup), verified all at once in one step, one hop per "
-                                "layer for all of them; the output is exactly what decoding one token at a time "
-                                "gives. Sampled, penalised, biased, grammar-bound or logprobs requests decode as "
-                                "before")),
+                                "layer for all of them; greedy output is exactly what decoding one token at a time "
+                                "gives, sampled output is distributed as it (rejection sampling). Requests with a "
+                                "grammar decode as before")),
     ("--num-speculative-tokens", dict(type=int, default=4, metavar="K",
                                       help="drafted tokens per step and stream, with --speculative")),
     ("--micro-batches", dict(type=int, choices=[1, 2], default=1,

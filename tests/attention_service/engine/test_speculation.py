@@ -146,11 +146,71 @@ def test_a_continuation_reuses_blocks_named_from_speculative_steps(demo_gguf):
     assert model.runner.blocks.prefix_stats.hits >= 48
 
 
-def test_sampled_requests_decline_speculation(demo_gguf):
-    sampled = SamplingOptions(max_tokens=12, temperature=0.8, seed=3)
-    expected, _ = run(demo_gguf, PROMPTS[:2], SpeculationSettings(), options=sampled)
-    got, stats = run(demo_gguf, PROMPTS[:2], NGRAM, options=sampled)
-    assert got == expected and stats.num_drafts == 0
+def sample_many(model_path, prompt, n, speculation=SpeculationSettings(), drafter=None):
+    """n sampled 4-token continuations of `prompt` (seeds 0..n-1, temperature 0.3), all submitted at once."""
+    runner = RunnerOptions(dtype=torch.float32, device=torch.device("cpu"), kv_cache_tokens=65536, kv_block_tokens=16)
+    model = load_serving_model(AttentionSettings(model_path=str(model_path), runner=runner, speculation=speculation,
+                                                 max_running_seqs=128, max_waiting_requests=n, max_batch_tokens=1024))
+    if drafter is not None:
+        model.engine.drafter = drafter
+    done = threading.Semaphore(0)
+    requests = [model.new_request(f"s{i}", list(prompt), SamplingOptions(max_tokens=4, temperature=0.3, seed=i, ignore_eos=True),
+                                  lambda out: out.finished and done.release()) for i in range(n)]
+    model.engine.start()
+    try:
+        for request in requests:
+            model.engine.submit(request)
+        for _ in requests:
+            assert done.acquire(timeout=300)
+    finally:
+        model.engine.stop()
+    return [r.seq.token_ids[r.num_prompt_tokens:] for r in requests], model.engine.spec_stats
+
+
+def chi_square_p(a: list[int], b: list[int]) -> float:
+    """Two samples of categories from one distribution? The p-value of the 2 x C contingency test
+    (categories seen fewer than 10 times in all pooled into one)."""
+    counts = {}
+    for which, sample in enumerate((a, b)):
+        for x in sample:
+            counts.setdefault(x, [0, 0])[which] += 1
+    table, pooled = [], [0, 0]
+    for pair in counts.values():
+        if sum(pair) >= 10:
+            table.append(pair)
+        else:
+            pooled = [pooled[0] + pair[0], pooled[1] + pair[1]]
+    if sum(pooled):
+        table.append(pooled)
+    t = torch.tensor(table, dtype=torch.float64)
+    expected = t.sum(1, keepdim=True) * t.sum(0, keepdim=True) / t.sum()
+    statistic = float(((t - expected) ** 2 / expected).sum())
+    dof = t.shape[0] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.stack  # a few thousand sampled tokens: seconds, not milliseconds
+def test_rejection_sampling_keeps_the_distribution_and_the_test_sees_a_biased_verifier(demo_gguf, monkeypatch):
+    from splitmoe.attention_service.engine.sampling import RequestSampler
+
+    prompt, n = PROMPTS[1], 600
+    plain, _ = sample_many(demo_gguf, prompt, n)
+    # drafts for the 2nd and 3rd tokens: the most frequent ones there, so that both branches
+    # (kept, and drawn from the rest) are taken often
+    modes = [max(set(col), key=col.count) for col in ([o[1] for o in plain], [o[2] for o in plain])]
+    draft_at_second = lambda tokens, k: modes[:k] if len(tokens) == len(prompt) + 1 else []  # noqa: E731
+    always = SpeculationSettings("ngram", num_tokens=2, max_batch_seqs=10_000, draft_token_cost=1e-6)
+    speculated, stats = sample_many(demo_gguf, prompt, n, always, draft_at_second)
+    assert stats.num_drafts == n and stats.num_draft_tokens == 2 * n
+    assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9, stats
+    for position in (1, 2):
+        assert chi_square_p([o[position] for o in plain], [o[position] for o in speculated]) > 1e-3, position
+
+    # a verifier that keeps every draft: the test must see it
+    monkeypatch.setattr(RequestSampler, "verify", lambda self, logits, drafted: self._took(logits, drafted))
+    biased, _ = sample_many(demo_gguf, prompt, n, always, draft_at_second)
+    assert chi_square_p([o[1] for o in plain], [o[1] for o in biased]) < 1e-6
 
 
 @pytest.mark.stack
