@@ -158,7 +158,12 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
     runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
                           settings.max_waiting_requests)
-    engine = Engine(runner, scheduler, classify_error, settings.speculation)
+    drafter = None
+    if settings.speculation.method == "draft":
+        from splitmoe.attention_service.engine.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(settings.speculation.draft_model, options, runner.cfg.vocab_size)
+    engine = Engine(runner, scheduler, classify_error, settings.speculation, drafter)
     tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
     model = ServingModel(
         settings=settings, runner=runner, engine=engine, tokenizer=tokenizer,

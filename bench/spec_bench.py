@@ -91,7 +91,7 @@ def run_batch(model, prompts: list[list[int]], max_tokens: int) -> tuple[list[li
 def measure(args) -> dict:
     import torch
 
-    from splitmoe.attention_service.engine.speculation import SpeculationSettings, drafter_for
+    from splitmoe.attention_service.engine.speculation import FunctionDrafter, SpeculationSettings, ngram_drafter
     from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
     from splitmoe.attention_service.model.runner import DTYPES, RunnerOptions
     from splitmoe.attention_service.service import load_serving_model
@@ -133,7 +133,7 @@ def measure(args) -> dict:
                 off_tok_s = None
                 for mode, settings in runs:
                     engine.speculation = settings
-                    engine.drafter = oracle(references, acceptance, vocab)
+                    engine.drafter = FunctionDrafter(oracle(references, acceptance, vocab))
                     before = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
                     out, seconds = run_batch(model, prompts, args.max_tokens)
                     drafted = engine.spec_stats.num_draft_tokens - before[0]
@@ -145,7 +145,7 @@ def measure(args) -> dict:
                                  "accepted_share": round(accepted / drafted, 2) if drafted else None,
                                  "outputs_differing": sum(o != b for o, b in zip(out, base_out))})
                     print(json.dumps(rows[-1]), flush=True)
-            engine.drafter = drafter_for(engine.speculation)
+            engine.drafter = ngram_drafter(engine.speculation)
     finally:
         model.engine.stop()
         model.experts.close()

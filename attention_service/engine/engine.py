@@ -20,7 +20,7 @@ from opentelemetry import trace
 from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
 from splitmoe.attention_service.engine.sampling import Sampled
 from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
-from splitmoe.attention_service.engine.speculation import SpeculationSettings, SpeculationStats, drafter_for
+from splitmoe.attention_service.engine.speculation import Drafter, SpeculationSettings, SpeculationStats, ngram_drafter
 from splitmoe.attention_service.engine.token_mask import TokenMasks
 from splitmoe.attention_service.model.runner import ModelRunner
 from splitmoe.attention_service.model.sequence import Sequence
@@ -47,11 +47,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, classify_error: Callable[[Exception], str],
-                 speculation: SpeculationSettings = SpeculationSettings()):
+                 speculation: SpeculationSettings = SpeculationSettings(), drafter: Drafter | None = None):
         self.runner = runner
         self.scheduler = scheduler
         self.speculation = speculation
-        self.drafter = drafter_for(speculation)  # (tokens, how many) -> drafted tokens
+        self.drafter = drafter or ngram_drafter(speculation)  # proposes each request's next tokens
         self.stats = EngineStats()
         self.spec_stats = SpeculationStats()
         self.token_masks = TokenMasks(runner.cfg.vocab_size)
@@ -129,6 +129,7 @@ class Engine:
 
     def _remove(self, request_id: str) -> None:
         self.scheduler.remove(request_id)
+        self.drafter.release(request_id)
 
     def _run_step(self, step: ScheduledStep) -> None:
         try:
@@ -177,7 +178,11 @@ class Engine:
                        request.max_context_tokens - seq.num_tokens) - 1
             num_tokens = request.draft_length.next(min(spec.num_tokens, room), spec.draft_token_cost) if room > 0 else 0
             if num_tokens:
-                request.draft = self.drafter(seq.token_ids, num_tokens)
+                try:
+                    request.draft = self.drafter.propose(request.request_id, seq.token_ids, num_tokens)
+                except Exception as e:  # noqa: BLE001 - a drafter's trouble (its KV cache full) costs only the draft
+                    log.warning("request %s: no draft this step: %s", request.request_id, e)
+                    self.drafter.release(request.request_id)
 
     def _run_speculative_step(self, step: ScheduledStep) -> None:
         """`_run_step` for a step in which some requests verify drafts: all K+1 positions of each
@@ -230,6 +235,7 @@ class Engine:
     def _finish(self, request: GenerationRequest) -> None:
         with self._lock:
             self.scheduler.remove(request.request_id)
+        self.drafter.release(request.request_id)
 
     def _fail(self, requests: list[GenerationRequest], error: Exception) -> None:
         kind = self._classify_error(error)

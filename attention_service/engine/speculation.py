@@ -32,7 +32,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-METHODS = ("none", "ngram")
+METHODS = ("none", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 15  # a verification step stays on the decode layer's path (model/attention.py)
 
 
@@ -44,6 +44,7 @@ class SpeculationSettings:
     ngram_max: int = 4          # the longest n-gram looked up (vLLM's prompt_lookup_max)
     ngram_min: int = 1          # the shortest (prompt_lookup_min)
     draft_token_cost: float = 0.25  # a drafted token's cost, in one-token steps (see the module docstring)
+    draft_model: str = ""       # method draft: a small GGUF with the target's vocabulary (--model-draft)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -51,6 +52,8 @@ class SpeculationSettings:
         if not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS or self.max_batch_seqs < 1:
             raise ValueError(f"--num-speculative-tokens {self.num_tokens}: want 1..{MAX_SPECULATIVE_TOKENS} "
                              "(and a batch limit >= 1)")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError("--speculative draft takes --model-draft FILE (and --model-draft only goes with it)")
         if self.draft_token_cost <= 0:
             raise ValueError("a drafted token's cost must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -117,12 +120,28 @@ def _expected_tokens(a: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-Drafter = Callable[[Sequence[int], int], list[int]]  # (a sequence's tokens, how many) -> drafted tokens
+class Drafter:
+    """Proposes a request's next tokens; `release` forgets a finished request (a draft model's KV)."""
+
+    def propose(self, key: str, tokens: Sequence[int], num_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def release(self, key: str) -> None:
+        """Nothing to forget by default."""
 
 
-def drafter_for(settings: SpeculationSettings) -> Drafter:
-    """The settings' drafter (the n-gram lookup; the draft model and MTP are to come)."""
-    return lambda tokens, num_tokens: propose_ngram(tokens, num_tokens, settings.ngram_max, settings.ngram_min)
+class FunctionDrafter(Drafter):
+    """A drafter from a function of (tokens, how many): the n-gram lookup; oracles in benchmarks."""
+
+    def __init__(self, propose: Callable[[Sequence[int], int], list[int]]):
+        self._propose = propose
+
+    def propose(self, key: str, tokens: Sequence[int], num_tokens: int) -> list[int]:
+        return self._propose(tokens, num_tokens)
+
+
+def ngram_drafter(settings: SpeculationSettings) -> Drafter:
+    return FunctionDrafter(lambda tokens, k: propose_ngram(tokens, k, settings.ngram_max, settings.ngram_min))
 
 
 def propose_ngram(tokens: Sequence[int], num_tokens: int, ngram_max: int = 4, ngram_min: int = 1) -> list[int]:

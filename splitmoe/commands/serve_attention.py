@@ -86,12 +86,16 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                            help="on a CUDA device: keep N routed (layer, expert) pairs, or SIZE of them (4G), in GPU "
                                 "memory (bfloat16): the hottest by --heat-file's rates, else whole MoE layers from "
                                 "the first; the rest stay on the expert services (default: none)")),
-    ("--speculative", dict(choices=["none", "ngram"], default="none",
+    ("--speculative", dict(choices=["none", "ngram", "draft"], default="none",
                            help="speculative decoding: ngram drafts each stream's next tokens from its own "
-                                "prompt and output (prompt lookup), verified all at once in one step, one hop per "
+                                "prompt and output (prompt lookup), draft from --model-draft's greedy decoding; "
+                                "they are verified all at once in one step, one hop per "
                                 "layer for all of them; greedy output is exactly what decoding one token at a time "
                                 "gives, sampled output is distributed as it (rejection sampling). Requests with a "
                                 "grammar decode as before")),
+    ("--model-draft", dict(default="", metavar="FILE",
+                           help="with --speculative draft: a small GGUF with the same vocabulary, run whole in "
+                                "the attention process with a KV cache of its own, as llama-server runs it (default: none)")),
     ("--num-speculative-tokens", dict(type=int, default=4, metavar="K",
                                       help="drafted tokens per step and stream, with --speculative")),
     ("--micro-batches", dict(type=int, choices=[1, 2], default=1,
@@ -173,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting, otlp_endpoint=otlp_endpoint(), reasoning_format=args.reasoning_format,
         tool_call_parser=args.tool_call_parser, security=security,
         gpu_experts=HeatBudget.parse(args.gpu_experts or "0", "--gpu-experts"),
-        speculation=SpeculationSettings(args.speculative, args.num_speculative_tokens))
+        speculation=SpeculationSettings(args.speculative, args.num_speculative_tokens,
+                                        draft_model=args.model_draft))
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -12,6 +12,7 @@ from splitmoe.attention_service.engine.sampling import SamplingOptions
 from splitmoe.attention_service.engine.speculation import (
     PROBE_EVERY_STEPS,
     DraftLength,
+    FunctionDrafter,
     SpeculationSettings,
     SpeculationStats,
     propose_ngram,
@@ -49,13 +50,13 @@ def test_stats_count_drafts_and_acceptance_per_position():
 
 
 def run(model_path, prompts, speculation, concurrent=True, experts=None, drafter=None, options=GREEDY,
-        dtype=torch.float32):
+        dtype=torch.float32, stats_of=None):
     """Each prompt's output tokens, and the engine's speculation stats."""
     runner = RunnerOptions(dtype=dtype, device=torch.device("cpu"), kv_cache_tokens=4096, kv_block_tokens=16)
     model = load_serving_model(AttentionSettings(model_path=str(model_path), runner=runner, experts=experts,
                                                  speculation=speculation))
     if drafter is not None:
-        model.engine.drafter = drafter
+        model.engine.drafter = FunctionDrafter(drafter)
     requests, errors, done = [], [], threading.Semaphore(0)
 
     def sink(out):
@@ -77,6 +78,8 @@ def run(model_path, prompts, speculation, concurrent=True, experts=None, drafter
         model.engine.stop()
         model.experts.close()
     assert not errors, errors
+    if stats_of is not None:
+        stats_of(model)
     return [r.seq.token_ids[r.num_prompt_tokens:] for r in requests], model.engine.spec_stats
 
 
@@ -146,13 +149,41 @@ def test_a_continuation_reuses_blocks_named_from_speculative_steps(demo_gguf):
     assert model.runner.blocks.prefix_stats.hits >= 48
 
 
+def test_a_draft_model_drafts_and_the_output_is_the_targets(demo_gguf, tmp_path):
+    from splitmoe.demo_model import DemoShape, write_demo_model
+
+    expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings())
+    # the target itself as its own draft: every drafted token is the one the target would choose
+    held = []
+    itself, stats = run(demo_gguf, PROMPTS, SpeculationSettings("draft", 4, draft_model=str(demo_gguf)),
+                        stats_of=lambda model: held.append(len(model.engine.drafter._seqs)))
+    assert itself == expected and stats.num_accepted_tokens == stats.num_draft_tokens > 100
+    assert held == [0]  # every finished request's draft sequence was let go
+    # another model of the same vocabulary (other weights, one layer): drafts often wrong, output the same
+    other = tmp_path / "draft.gguf"
+    write_demo_model(other, DemoShape(num_layers=1, seed=7))
+    got, stats = run(demo_gguf, PROMPTS, SpeculationSettings("draft", 4, draft_model=str(other)))
+    assert got == expected and stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(demo_gguf):
+    from splitmoe.demo import trained_model_path
+
+    runner = RunnerOptions(dtype=torch.float32, device=torch.device("cpu"), kv_cache_tokens=1024)
+    with pytest.raises(ValueError, match=r"--model-draft .*vocabulary of 1118 tokens, the model served has 275"):
+        load_serving_model(AttentionSettings(model_path=str(demo_gguf), runner=runner, speculation=SpeculationSettings(
+            "draft", draft_model=str(trained_model_path()))))
+    with pytest.raises(ValueError, match="--model-draft"):
+        SpeculationSettings("draft")
+
+
 def sample_many(model_path, prompt, n, speculation=SpeculationSettings(), drafter=None):
     """n sampled 4-token continuations of `prompt` (seeds 0..n-1, temperature 0.3), all submitted at once."""
     runner = RunnerOptions(dtype=torch.float32, device=torch.device("cpu"), kv_cache_tokens=65536, kv_block_tokens=16)
     model = load_serving_model(AttentionSettings(model_path=str(model_path), runner=runner, speculation=speculation,
                                                  max_running_seqs=128, max_waiting_requests=n, max_batch_tokens=1024))
     if drafter is not None:
-        model.engine.drafter = drafter
+        model.engine.drafter = FunctionDrafter(drafter)
     done = threading.Semaphore(0)
     requests = [model.new_request(f"s{i}", list(prompt), SamplingOptions(max_tokens=4, temperature=0.3, seed=i, ignore_eos=True),
                                   lambda out: out.finished and done.release()) for i in range(n)]
