@@ -40,22 +40,19 @@ def spawn(args: list[str], log: Path, token: str) -> subprocess.Popen:
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from splitmoe.supervisor import GrpcHealthProbe
 
-    deadline_s = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline_s:
+    probe = GrpcHealthProbe(address)
+    try:
+        deadline_s = time.monotonic() + timeout_s
+        while not probe.check(1.0):
             if proc.poll() is not None:
                 raise RuntimeError(f"{address} exited with {proc.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+            if time.monotonic() >= deadline_s:
+                raise TimeoutError(f"{address} not serving after {timeout_s} s")
             time.sleep(0.1)
-    raise TimeoutError(f"{address} not serving after {timeout_s} s")
+    finally:
+        probe.close()
 
 
 class Experts:

@@ -80,9 +80,10 @@ class HopHandler:
             lane.computing = False
 
     def num_lanes(self) -> int:
-        """Streams and connections open now: each an attention service that still sends us hops."""
+        """Streams and connections open now: each an attention service that still sends us hops
+        (a connection whose C++ loop serves it is one, not two)."""
         with self._lock:
-            return len(self._lanes)
+            return sum(1 for lane in self._lanes if isinstance(lane, Lane))
 
     def num_computing(self) -> int:
         """Hops in the kernels now, over every lane (a C++ loop's counted as busy while it serves)."""

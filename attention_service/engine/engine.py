@@ -117,10 +117,7 @@ class Engine:
             self._propose_drafts()
             step = self.scheduler.schedule()
             if step is not None:
-                if any(r.draft for r in step.requests):
-                    self._run_speculative_step(step)
-                else:
-                    self._run_step(step)
+                self._run_step(step)
             self._log_prefix_cache(idle=not self.scheduler.has_work())
 
     def _add(self, request: GenerationRequest) -> None:
@@ -132,13 +129,32 @@ class Engine:
         self.drafter.release(request_id)
 
     def _run_step(self, step: ScheduledStep) -> None:
+        # A decoding request may carry drafts (speculation.py): they join its tokens for this one
+        # pass, and the sampling below keeps what it accepts of them.
+        drafts = [r.draft for r in step.requests]
+        speculating = any(drafts)
+        for request, draft in zip(step.requests, drafts):
+            request.seq.token_ids.extend(draft)
+            request.draft = []
         try:
             with _step_span(step):
-                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens)
+                # drafts: every drafted row's logits, and the blocks named once the drafts are checked
+                verifying = dict(logits_tokens=[1 + len(d) for d in drafts], commit=False) if speculating else {}
+                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens, **verifying)
         except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
+            for request, draft in zip(step.requests, drafts):
+                del request.seq.token_ids[request.seq.num_tokens - len(draft):]
             self._fail(step.requests, e)
             return
         self._count(step)
+        outputs = self._verify(step, drafts, logits.cpu()) if speculating else self._sample(step, logits)
+        # Handed over after the whole step's sampling: the receivers' threads (the serving loop)
+        # wake once for the step and do not take the interpreter from the sampling in between.
+        for sink, output in outputs:
+            sink(output)
+
+    def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> list[tuple[Callable, RequestOutput]]:
+        """Each request's next token from its row of `logits`."""
         # A prompt chunk has nothing to sample yet; the others sample, under their grammar if they have one.
         sampling = [i for i, r in enumerate(step.requests) if r.seq.num_cached_tokens >= r.seq.num_tokens]
         greedy, rows, logits = _on_host(logits, [step.requests[i] for i in sampling], sampling)
@@ -156,10 +172,7 @@ class Engine:
             if output.finished:
                 self._finish(request)
             outputs.append((request.sink, output))
-        # Handed over after the whole step's sampling: the receivers' threads (the serving loop)
-        # wake once for the step and do not take the interpreter from the sampling in between.
-        for sink, output in outputs:
-            sink(output)
+        return outputs
 
     # ---- speculative decoding (speculation.py) ---------------------------------------------------
 
@@ -184,26 +197,13 @@ class Engine:
                     log.warning("request %s: no draft this step: %s", request.request_id, e)
                     self.drafter.release(request.request_id)
 
-    def _run_speculative_step(self, step: ScheduledStep) -> None:
-        """`_run_step` for a step in which some requests verify drafts: all K+1 positions of each
-        scored at once, each drafted position's token chosen in order by the request's sampler
+    def _verify(self, step: ScheduledStep, drafts: list[list[int]],
+                logits: torch.Tensor) -> list[tuple[Callable, RequestOutput]]:
+        """`_sample` for a step in which some requests verify drafts (`logits`: 1 + its draft's
+        rows per request): each drafted position's token chosen in order by the request's sampler
         (`verify`: the argmax, or rejection sampling), drafts kept up to the first it did not keep,
         then that token; the sequence cut back to that, and only then its blocks named. Penalties
         and the like see the tokens before each row, as one token at a time."""
-        drafts = [r.draft for r in step.requests]
-        for request, draft in zip(step.requests, drafts):
-            request.seq.token_ids.extend(draft)
-            request.draft = []
-        try:
-            with _step_span(step):
-                logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens,
-                                          logits_tokens=[1 + len(d) for d in drafts], commit=False).cpu()
-        except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
-            for request, draft in zip(step.requests, drafts):
-                del request.seq.token_ids[request.seq.num_tokens - len(draft):]
-            self._fail(step.requests, e)
-            return
-        self._count(step)
         outputs, row = [], 0
         for request, draft in zip(step.requests, drafts):
             seq, rows = request.seq, logits[row:row + 1 + len(draft)]
@@ -229,8 +229,7 @@ class Engine:
             self.runner.commit(seq)
             if finished:
                 self._finish(request)
-        for sink, output in outputs:
-            sink(output)
+        return outputs
 
     def _finish(self, request: GenerationRequest) -> None:
         with self._lock:

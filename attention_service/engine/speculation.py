@@ -1,4 +1,4 @@
-"""Speculative decoding: drafted tokens verified in one step (issue 30; n-gram drafts so far).
+"""Speculative decoding: drafted tokens verified in one step (issue 30).
 
 A step through SplitMoE pays one round trip to the expert services per MoE layer whatever the
 number of tokens in it: a decoding sequence that carries K drafted tokens has all K+1 positions
@@ -15,7 +15,8 @@ What is verified and how (engine.py does it, with this module's pieces):
 - The drafts' KV is written like any token's; after the check the sequence is cut back to what was
   accepted, and the cache blocks are named (prefix caching) only then, from the accepted tokens.
 - Drafts: `propose_ngram`, prompt lookup as vLLM's `[ngram]` and llama.cpp's lookup decoding do it:
-  the longest recent n-gram that occurred before in the prompt or the output, and what followed it.
+  the longest recent n-gram that occurred before in the prompt or the output, and what followed it;
+  or a small model's greedy tokens (engine/draft_model.py).
 - Speculation steps aside when more than `max_batch_seqs` sequences decode together: a step that
   large is bound by computing the experts, which K+1 positions per sequence would multiply.
 - How many tokens to draft follows each request's measured acceptance (`DraftLength`): in a MoE
@@ -28,6 +29,7 @@ What is verified and how (engine.py does it, with this module's pieces):
 """
 from __future__ import annotations
 
+import abc
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -38,7 +40,7 @@ MAX_SPECULATIVE_TOKENS = 15  # a verification step stays on the decode layer's p
 
 @dataclass(frozen=True, slots=True)
 class SpeculationSettings:
-    method: str = "none"        # none | ngram
+    method: str = "none"        # none | ngram | draft
     num_tokens: int = 4         # drafted tokens per step and sequence (vLLM's num_speculative_tokens)
     max_batch_seqs: int = 8     # no drafts while more sequences than this decode together
     ngram_max: int = 4          # the longest n-gram looked up (vLLM's prompt_lookup_max)
@@ -120,11 +122,12 @@ def _expected_tokens(a: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """Proposes a request's next tokens; `release` forgets a finished request (a draft model's KV)."""
 
+    @abc.abstractmethod
     def propose(self, key: str, tokens: Sequence[int], num_tokens: int) -> list[int]:
-        raise NotImplementedError
+        """Up to `num_tokens` tokens to follow `tokens`, the sequence of request `key`."""
 
     def release(self, key: str) -> None:
         """Nothing to forget by default."""
@@ -154,7 +157,7 @@ def propose_ngram(tokens: Sequence[int], num_tokens: int, ngram_max: int = 4, ng
     if n_tokens < 2:
         return []
     data = array("i", tokens).tobytes()
-    width = data and len(data) // n_tokens
+    width = array("i").itemsize  # bytes a token
     for n in range(min(ngram_max, n_tokens - 1), ngram_min - 1, -1):
         pattern = data[(n_tokens - n) * width:]
         end = (n_tokens - 1) * width  # an earlier occurrence ends before the last token

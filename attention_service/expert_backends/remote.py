@@ -252,6 +252,7 @@ class RemoteExperts:
 
     def _switch(self, targets: list[ServiceShard], placement: Placement, hot: HotExperts | None) -> None:
         services = self._services
+        services.require_all_up()
         services.load_beside(targets)
         with self._in_flight.drained():  # between two layer calls: nothing planned on the old one is in flight
             services.switch_to(placement)

@@ -250,14 +250,17 @@ class ExpertServices:
     def addresses(self) -> list[str]:
         return [c.address for c in self._clients]
 
+    def require_all_up(self) -> None:
+        """A rebalance moves experts between the services there are: none may be down meanwhile."""
+        if down := self.describe_failures():
+            raise ExpertsUnavailable(f"not moving experts while a service is down: {down}")
+
     def load_beside(self, targets: Sequence[ServiceShard], clients: Sequence[ExpertServiceClient] | None = None) -> None:
         """First step of a new placement: every service loads its new pairs beside its old ones,
-        so that a layer call planned on either placement finds its experts. `clients`: the
-        services of the new placement, when a membership change makes them others (default: ours)."""
-        clients = self._clients if clients is None else clients
-        if clients is self._clients and (down := self.describe_failures()):
-            raise ExpertsUnavailable(f"not moving experts while a service is down: {down}")
-        for client, target in zip(clients, targets):
+        so that a layer call planned on either placement finds its experts (a service whose target
+        it hosts already is not called). `clients`: the services of the new placement, when a
+        membership change makes them others (default: ours)."""
+        for client, target in zip(self._clients if clients is None else clients, targets):
             union = ServiceShard.of_keys(client.address, [*client.shard.keys(), *target.keys()])
             if not client.shard.covers(union):
                 client.shard = client.load(union)

@@ -16,7 +16,6 @@ import json
 import math
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,9 +28,9 @@ from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.cli import main
 from splitmoe.modelfile.hparams import GATING_SIGMOID, GATING_SOFTMAX
 from tests.support.cpu_paths import PATHS, forced_path
-from tests.support.gguf_compare import NAMING_KEYS, parse, q8_0_error_bound, torch_shape, values
+from tests.support.fixture_refs import assert_converter_matches_llama_cpp
 from tests.support.hf_reference import build_model, hf_logits, max_abs, rel_l2, token_ids
-from tests.support.hf_to_gguf import F32, Q8_0, convert
+from tests.support.hf_to_gguf import convert
 
 ARCHS = ["deepseek2", "deepseek3"]
 QUANTS = ["q8_0", "q4_k_m"]
@@ -176,34 +175,7 @@ def runner(path: Path, dtype: torch.dtype = torch.float32) -> ModelRunner:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_converter_matches_llama_cpp(fixtures_dir, tmp_path, arch):
-    """tests/support/hf_to_gguf.py on the fixture checkpoint: llama.cpp's names, shapes, types,
-    Q8_0/F16 bytes and metadata; its f32 values are the checkpoint's, to Q8_0/F16 rounding."""
-    from transformers import AutoModelForCausalLM
-
-    reference_gguf = fixtures_dir / arch / f"{arch}-q8_0.gguf"
-    model = AutoModelForCausalLM.from_pretrained(fixtures_dir / arch / "hf", dtype=torch.float32)
-    ref = parse(reference_gguf)
-    got = parse(convert(model, tmp_path / "q8_0.gguf", Q8_0, tokenizer_from=reference_gguf))
-    f32 = parse(convert(model, tmp_path / "f32.gguf", F32))
-    assert sorted(got.tensors) == sorted(ref.tensors)
-    for name, t in ref.tensors.items():
-        assert (got.tensors[name].tensor_type, torch_shape(got.tensors[name])) == (t.tensor_type, torch_shape(t)), name
-        assert np.array_equal(got.tensors[name].data, t.data), name
-        assert_within_rounding(values(f32.tensors[name]), t, name)
-    assert sorted(set(got.metadata) - NAMING_KEYS) == sorted(set(ref.metadata) - NAMING_KEYS)
-    for key in set(ref.metadata) - NAMING_KEYS:
-        assert got.metadata[key] == ref.metadata[key], key
-
-
-def assert_within_rounding(ours: np.ndarray, t: gguf.ReaderTensor, name: str) -> None:
-    expected = values(t)
-    ours = ours.reshape(expected.shape)
-    if t.tensor_type == gguf.GGMLQuantizationType.F16:  # the rows no Q8_0 block divides (attn_q_b, attn_k_b)
-        ours = ours.astype(np.float16)
-    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        assert np.array_equal(ours.astype(np.float32), expected.astype(np.float32)), name
-    else:
-        assert np.all(np.abs(ours - expected) <= q8_0_error_bound(ours)), name
+    assert_converter_matches_llama_cpp(fixtures_dir / arch, tmp_path)
 
 
 # ---- tiny transformers models (no fixtures needed) -------------------------------------------
