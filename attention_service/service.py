@@ -5,6 +5,7 @@ GenerationRequest. Raised `ValueError`s are the caller's fault (INVALID_ARGUMENT
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Mapping
@@ -155,7 +156,8 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
     options = settings.runner
     before = resident()
     g = GGUFFile(settings.model_path)
-    runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings))
+    mtp = settings.speculation.method == "mtp"
+    runner = ModelRunner.from_gguf(g, options, experts or build_expert_backend(g, settings, nextn=mtp))
     scheduler = Scheduler(runner.blocks, settings.max_batch_tokens, settings.max_running_seqs,
                           settings.max_waiting_requests)
     drafter = None
@@ -163,6 +165,10 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
         from splitmoe.attention_service.engine.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter(settings.speculation.draft_model, options, runner.cfg.vocab_size)
+    elif mtp:
+        from splitmoe.attention_service.engine.mtp import MTPDrafter
+
+        drafter = MTPDrafter(runner)
     engine = Engine(runner, scheduler, classify_error, settings.speculation, drafter)
     tokenizer = Tokenizer.from_gguf_metadata(runner.gguf.metadata)
     model = ServingModel(
@@ -200,16 +206,20 @@ def log_memory(runner: ModelRunner, before: Resident | None) -> None:
              (after.own_bytes - before.own_bytes) / MIB, kv_bytes / MIB)
 
 
-def build_expert_backend(g: GGUFFile, settings: AttentionSettings) -> ExpertBackend:
+def build_expert_backend(g: GGUFFile, settings: AttentionSettings, nextn: bool = False) -> ExpertBackend:
+    """`nextn`: the NextN/MTP layers' experts too (--speculative mtp drafts with them)."""
     cache = RepackCache(repack_cache_dir())
-    backend = InProcessExperts(g, cache) if settings.experts is None else RemoteExperts(g, settings.experts, cache)
+    if settings.experts is None:
+        backend = InProcessExperts(g, cache, nextn=nextn)
+    else:
+        backend = RemoteExperts(g, dataclasses.replace(settings.experts, nextn_layers=nextn), cache)
     return with_gpu_experts(g, backend, settings) if settings.gpu_experts else backend
 
 
 def with_gpu_experts(g: GGUFFile, backend: ExpertBackend, settings: AttentionSettings) -> ExpertBackend:
     """`backend` with the hottest experts (--gpu-experts) computed in GPU memory (expert_backends/gpu_hot.py)."""
     heat_file = settings.experts.heat_file if settings.experts is not None else ""
-    num_layers, num_experts = ModelConfig.from_gguf(g).num_layers, expert_count(g)
+    num_layers, num_experts = ModelConfig.from_gguf(g).num_blocks, expert_count(g)
     rates = load_heat(heat_file, g.file_id, (num_layers, num_experts)) if heat_file else None
     keys = choose_gpu_experts(g, settings.gpu_experts, rates)
     if not keys:

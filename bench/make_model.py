@@ -242,9 +242,10 @@ def tensor_type(name: str, dims: tuple[int, ...], c: MixContext, quant: str) -> 
 Spec = Callable[..., TensorSpec]  # spec(name, *dims, std=..., mean=...)
 
 
-def plan(shape: Shape, layers: int, quant: str, vocab: int | None = None) -> list[TensorSpec]:
+def plan(shape: Shape, layers: int, quant: str, vocab: int | None = None, nextn: int = 0) -> list[TensorSpec]:
     """Every tensor of the file, in llama.cpp's order. `shape` as bench_shape gives it: its
-    leading_dense is the file's."""
+    leading_dense is the file's. `nextn`: NextN/MTP blocks after the main layers (GLM-4.5's and
+    DeepSeek-V3's multi-token prediction: a MoE layer with `nextn.*` projections and norms)."""
     s, v, d = shape, vocab or shape.vocab, shape.hidden
     specs = [_spec(s, layers, quant, 0)("token_embd.weight", v, d, std=1.0)]
     for i in range(layers):
@@ -254,7 +255,14 @@ def plan(shape: Shape, layers: int, quant: str, vocab: int | None = None) -> lis
         ffn = _dense_ffn(s, p, spec) if i < s.leading_dense else _moe(s, p, spec)
         specs += [_norm(spec, p + "attn_norm.weight", d), *attention, _norm(spec, f"{p}{s.ffn_norm}.weight", d), *ffn]
     last = _spec(s, layers, quant, layers - 1)
-    return specs + [_norm(last, "output_norm.weight", d), last("output.weight", v, d)]
+    specs += [_norm(last, "output_norm.weight", d), last("output.weight", v, d)]
+    for i in range(layers, layers + nextn):
+        p = f"blk.{i}."
+        attention = _mla(s, p, last) if s.mla else _gqa(s, p, last)
+        specs += [_norm(last, p + "attn_norm.weight", d), *attention, _norm(last, f"{p}{s.ffn_norm}.weight", d),
+                  *_moe(s, p, last), last(p + "nextn.eh_proj.weight", d, 2 * d),
+                  *(_norm(last, f"{p}nextn.{name}.weight", d) for name in ("enorm", "hnorm", "shared_head_norm"))]
+    return specs
 
 
 def _spec(s: Shape, layers: int, quant: str, layer: int) -> Spec:
@@ -459,9 +467,10 @@ def placeholder_vocab(vocab: int) -> tuple[list[str], list[int]]:
 
 
 def write_model(path: str | os.PathLike, shape: str, layers: int, quant: str = "q4_k_m", seed: int = 0,
-                vocab: int | None = None, dense_layers: int | None = None, experts: int | None = None) -> Path:
+                vocab: int | None = None, dense_layers: int | None = None, experts: int | None = None,
+                nextn: int = 0) -> Path:
     """Write the model to `path` (via a temporary file beside it, renamed at the end).
-    `dense_layers`, `experts`: see bench_shape."""
+    `dense_layers`, `experts`: see bench_shape; `nextn`: see plan."""
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r} (choose from {', '.join(QUANTS)})")
     if not 1 <= layers:
@@ -470,9 +479,9 @@ def write_model(path: str | os.PathLike, shape: str, layers: int, quant: str = "
     s = replace(s, leading_dense=min(s.leading_dense, layers))  # a file's dense layers are within its depth
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    specs = plan(s, layers, quant, vocab)
+    specs = plan(s, layers, quant, vocab, nextn)
     w = GGUFWriter(str(tmp), s.arch)
-    _write_metadata(w, s, shape, layers, quant, vocab or s.vocab)
+    _write_metadata(w, s, shape, layers, quant, vocab or s.vocab, nextn)
     _write_tokenizer(w, s, vocab or s.vocab)
     for t in specs:
         is_f32 = t.ggml_type == T.F32
@@ -501,13 +510,15 @@ def _describe(s: Shape, shape: str, layers: int, quant: str) -> str:
     return f"SplitMoE bench {shape} {layers}/{s.full_layers} layers{extra} {quant} (random weights)"
 
 
-def _write_metadata(w: GGUFWriter, s: Shape, shape: str, layers: int, quant: str, vocab: int) -> None:
+def _write_metadata(w: GGUFWriter, s: Shape, shape: str, layers: int, quant: str, vocab: int, nextn: int = 0) -> None:
     w.add_name(_describe(s, shape, layers, quant))
     w.add_file_type(QUANTS[quant])
     w.add_quantization_version(GGML_QUANT_VERSION)
     m = s.mla
     key, value = (m.kv_lora + m.rope_dims, m.kv_lora) if m else (s.head_dim, s.head_dim)
-    for add, value_ in ((w.add_block_count, layers), (w.add_context_length, s.context),
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+    for add, value_ in ((w.add_block_count, layers + nextn), (w.add_context_length, s.context),
                         (w.add_embedding_length, s.hidden), (w.add_feed_forward_length, s.dense_ffn),
                         (w.add_head_count, s.heads), (w.add_head_count_kv, s.kv_heads),
                         (w.add_key_length, key), (w.add_value_length, value),

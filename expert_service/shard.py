@@ -62,12 +62,14 @@ class HostedShard:
         cfg = ModelConfig.from_gguf(g)  # checked: the sizes below come from the file
         self.hidden_size = cfg.hidden_size
         self.num_experts = expert_count(g)
-        self.moe_layers = tuple(moe_layers(g))
-        self._tokens = ExpertTokenCounts(cfg.num_layers, self.num_experts)
+        # The NextN/MTP layer's experts too, as any other layer's: an attention service drafting
+        # with the file's MTP block (--speculative mtp) calls that layer as well.
+        self.moe_layers = tuple(moe_layers(g, nextn=True))
+        self._tokens = ExpertTokenCounts(cfg.num_blocks, self.num_experts)
         self._lock = threading.Lock()
         self._num_requests, self._compute_s = 0, 0.0
         # The shared-memory hop loop in C++ serves decode hops itself and counts them there.
-        self.native_hops = NativeHops(cfg.num_layers, self.num_experts) if prepare_fast and native.AVAILABLE else None
+        self.native_hops = NativeHops(cfg.num_blocks, self.num_experts) if prepare_fast and native.AVAILABLE else None
         self._shard, self._hosted = self._build(layers, experts)
 
     def describe(self) -> ShardDescription:

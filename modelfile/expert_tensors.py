@@ -37,9 +37,12 @@ class ExpertKey(NamedTuple):
         return f"L{self.layer}.E{self.expert}"
 
 
-def moe_layers(g: GGUFFile) -> list[int]:
-    """Layers that have a router, in order."""
-    return [i for i in range(ModelConfig.from_gguf(g).num_layers) if g.has(f"blk.{i}.ffn_gate_inp.weight")]
+def moe_layers(g: GGUFFile, nextn: bool = False) -> list[int]:
+    """Layers that have a router, in order; `nextn`: the NextN/MTP layers after the main ones too
+    (their experts are computed only for the MTP drafter: engine/mtp.py)."""
+    cfg = ModelConfig.from_gguf(g)
+    num_layers = cfg.num_blocks if nextn else cfg.num_layers
+    return [i for i in range(num_layers) if g.has(f"blk.{i}.ffn_gate_inp.weight")]
 
 
 def expert_count(g: GGUFFile) -> int:

@@ -95,6 +95,12 @@ class ModelConfig:
     attention_temperature_floor_tokens: int = 0
     attention_temperature_scale: float = 0.0
 
+    @property
+    def num_blocks(self) -> int:
+        """The file's `block_count`: the main layers and the NextN/MTP ones after them (per-layer
+        tables that the MTP drafter's layer also reaches are this long)."""
+        return self.num_layers + self.num_nextn_layers
+
     @classmethod
     def from_gguf(cls, g: GGUFFile, defaults: Mapping[str, Any] | None = None,
                   read_family: FamilyHparams | None = None) -> "ModelConfig":

@@ -27,10 +27,10 @@ class DraftModelDrafter(Drafter):
         if self.runner.cfg.vocab_size != target_vocab_size:
             raise ValueError(f"--model-draft {path}: vocabulary of {self.runner.cfg.vocab_size} tokens, the model "
                              f"served has {target_vocab_size}: a draft model must share the vocabulary")
-        self._seqs: dict[str, ModelSequence] = {}
+        self._seqs: dict[int, ModelSequence] = {}
         self._ids = itertools.count(1)
 
-    def propose(self, key: str, tokens: Sequence[int], num_tokens: int) -> list[int]:
+    def propose(self, key: int, tokens: Sequence[int], num_tokens: int) -> list[int]:
         seq = self._seqs.get(key)
         if seq is None:
             seq = self._seqs[key] = ModelSequence(next(self._ids), [])
@@ -47,7 +47,7 @@ class DraftModelDrafter(Drafter):
             seq.token_ids.append(token)
         return drafted
 
-    def release(self, key: str) -> None:
+    def release(self, key: int) -> None:
         seq = self._seqs.pop(key, None)
         if seq is not None:
             self.runner.release(seq)

@@ -125,8 +125,9 @@ class Engine:
         self.scheduler.add(request)  # `submit` counted it against the queue's limit already
 
     def _remove(self, request_id: str) -> None:
-        self.scheduler.remove(request_id)
-        self.drafter.release(request_id)
+        request = self.scheduler.remove(request_id)
+        if request is not None:
+            self.drafter.release(request.seq.seq_id)
 
     def _run_step(self, step: ScheduledStep) -> None:
         # A decoding request may carry drafts (speculation.py): they join its tokens for this one
@@ -192,10 +193,10 @@ class Engine:
             num_tokens = request.draft_length.next(min(spec.num_tokens, room), spec.draft_token_cost) if room > 0 else 0
             if num_tokens:
                 try:
-                    request.draft = self.drafter.propose(request.request_id, seq.token_ids, num_tokens)
+                    request.draft = self.drafter.propose(seq.seq_id, seq.token_ids, num_tokens)
                 except Exception as e:  # noqa: BLE001 - a drafter's trouble (its KV cache full) costs only the draft
                     log.warning("request %s: no draft this step: %s", request.request_id, e)
-                    self.drafter.release(request.request_id)
+                    self.drafter.release(seq.seq_id)
 
     def _verify(self, step: ScheduledStep, drafts: list[list[int]],
                 logits: torch.Tensor) -> list[tuple[Callable, RequestOutput]]:
@@ -234,7 +235,7 @@ class Engine:
     def _finish(self, request: GenerationRequest) -> None:
         with self._lock:
             self.scheduler.remove(request.request_id)
-        self.drafter.release(request.request_id)
+        self.drafter.release(request.seq.seq_id)
 
     def _fail(self, requests: list[GenerationRequest], error: Exception) -> None:
         kind = self._classify_error(error)

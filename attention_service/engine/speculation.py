@@ -34,13 +34,13 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "mtp")
 MAX_SPECULATIVE_TOKENS = 15  # a verification step stays on the decode layer's path (model/attention.py)
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculationSettings:
-    method: str = "none"        # none | ngram | draft
+    method: str = "none"        # none | ngram | draft | mtp
     num_tokens: int = 4         # drafted tokens per step and sequence (vLLM's num_speculative_tokens)
     max_batch_seqs: int = 8     # no drafts while more sequences than this decode together
     ngram_max: int = 4          # the longest n-gram looked up (vLLM's prompt_lookup_max)
@@ -123,13 +123,14 @@ def _expected_tokens(a: float, k: int) -> float:
 
 
 class Drafter(abc.ABC):
-    """Proposes a request's next tokens; `release` forgets a finished request (a draft model's KV)."""
+    """Proposes a request's next tokens; `release` forgets a finished request (a draft model's KV).
+    A request is known by its sequence's id (`seq_id`: what the runner's hidden states name too)."""
 
     @abc.abstractmethod
-    def propose(self, key: str, tokens: Sequence[int], num_tokens: int) -> list[int]:
+    def propose(self, key: int, tokens: Sequence[int], num_tokens: int) -> list[int]:
         """Up to `num_tokens` tokens to follow `tokens`, the sequence of request `key`."""
 
-    def release(self, key: str) -> None:
+    def release(self, key: int) -> None:
         """Nothing to forget by default."""
 
 
@@ -139,7 +140,7 @@ class FunctionDrafter(Drafter):
     def __init__(self, propose: Callable[[Sequence[int], int], list[int]]):
         self._propose = propose
 
-    def propose(self, key: str, tokens: Sequence[int], num_tokens: int) -> list[int]:
+    def propose(self, key: int, tokens: Sequence[int], num_tokens: int) -> list[int]:
         return self._propose(tokens, num_tokens)
 
 

@@ -18,7 +18,7 @@ from splitmoe.attention_service.expert_backends.placement import ServiceShard
 from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
 from splitmoe.kernels.repack_cache import RepackCache
-from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count
+from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 
 
@@ -100,8 +100,9 @@ class InProcessExperts:
     Attention on a GPU: the layer call's tensors come to the host together and the answer goes
     back asynchronously (gpu/hop_copies.py), as for expert services."""
 
-    def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None):
-        self.shard = ExpertShard(g, repack_cache=repack_cache)
+    def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None, nextn: bool = False):
+        """`nextn`: the NextN/MTP layers' experts too (the MTP drafter's, engine/mtp.py)."""
+        self.shard = ExpertShard(g, layers=moe_layers(g, nextn=nextn), repack_cache=repack_cache)
         self.heat = ExpertHeat(max(self.shard.layers, default=-1) + 1, expert_count(g))
         self.copies = CopiesByDevice()
         self._ahead = SendAhead()

@@ -80,7 +80,7 @@ class DeviceExperts:
         """Reads only these experts' bytes, one expert at a time (a whole layer may be GBs)."""
         self.keys = tuple(sorted(set(keys)))
         self.device, self.dtype = _resolved(torch.device(device)), dtype
-        num_layers, num_experts = ModelConfig.from_gguf(g).num_layers, expert_count(g)
+        num_layers, num_experts = ModelConfig.from_gguf(g).num_blocks, expert_count(g)
         by_layer = _by_layer(self.keys, set(moe_layers(g)), num_experts)
         self._stacks = {layer: _load_stack(g, layer, experts, self.device, dtype)
                         for layer, experts in by_layer.items()}

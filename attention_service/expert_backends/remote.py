@@ -67,10 +67,10 @@ class RemoteExperts:
 
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, repack_cache: RepackCache | None = None):
         self.settings = settings
-        all_layers = moe_layers(g)
+        all_layers = moe_layers(g, nextn=settings.nextn_layers)
         self._g, self._repack_cache = g, repack_cache
         self._num_experts = expert_count(g)
-        self.heat = ExpertHeat(ModelConfig.from_gguf(g).num_layers, self._num_experts, settings.heat_half_life_s)
+        self.heat = ExpertHeat(ModelConfig.from_gguf(g).num_blocks, self._num_experts, settings.heat_half_life_s)
         # read before connecting: a heat file of another model fails the start, and leaves nothing open
         rates = load_heat(settings.heat_file, g.file_id, self.heat.shape) if settings.heat_file else None
         self._local_layers = frozenset(all_layers[:settings.local_layers])

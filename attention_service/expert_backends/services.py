@@ -144,6 +144,7 @@ class RemoteExpertsSettings(ConnectionSettings):
     auto_rebalance_interval_s: float = 30.0    # how often the measured imbalance is checked
     resolve_interval_s: float = 1.0            # how often the names of `addresses` are resolved again (0: never)
     hosts_file: str = ""                       # /etc/hosts-style lines read at every resolution, before DNS
+    nextn_layers: bool = False                 # the NextN/MTP layers' experts placed too (--speculative mtp)
 
     def __post_init__(self) -> None:
         super(RemoteExpertsSettings, self).__post_init__()

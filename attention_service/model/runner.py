@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -91,6 +92,9 @@ class ModelRunner:
         # thread (kernels/torch_threads.py). 0: never (the exact float32 mode computes with torch).
         native_fast = options.device.type == "cpu" and options.dtype != torch.float32 and native_available()
         self._glue_only_rows = SMALL_BATCH_ROWS if native_fast else 0
+        # Called after each step with (sequence, first new position, the new rows' final-normed
+        # hidden states [n, D] float32): the MTP drafter's input (engine/mtp.py). None: not kept.
+        self.hidden_sink: Callable[[Sequence, int, torch.Tensor], None] | None = None
 
     @classmethod
     def from_gguf(cls, model: str | os.PathLike | GGUFFile, options: RunnerOptions | None = None,
@@ -117,18 +121,30 @@ class ModelRunner:
         if num_new_tokens is None:
             num_new_tokens = [s.num_tokens - s.num_cached_tokens for s in seqs]
         logits = None
-        if self.static_decode is not None and all(n == 1 == s.num_tokens - s.num_cached_tokens
+        sink = None if all_logits else self.hidden_sink  # scoring a prompt (echo) drafts nothing after it
+        self.model.keep_hidden = sink is not None
+        if self.static_decode is not None and sink is None and all(n == 1 == s.num_tokens - s.num_cached_tokens
                                                   for s, n in zip(seqs, num_new_tokens)):
             logits = self._static_step(seqs)
         if logits is None:
             batch = self._build_batch(seqs, num_new_tokens, all_logits, logits_tokens)
             with one_torch_thread() if batch.num_tokens <= self._glue_only_rows else contextlib.nullcontext():
                 logits = self.model.forward(batch, self.kv)
+            if sink is not None:
+                self._hand_hidden(sink, seqs, num_new_tokens)
         for s, n in zip(seqs, num_new_tokens):
             s.num_cached_tokens += n
             if commit:
                 self.blocks.commit(s)  # only now: a step that fails must leave no named block behind
         return logits
+
+    def _hand_hidden(self, sink: Callable[[Sequence, int, torch.Tensor], None], seqs: list[Sequence],
+                     num_new_tokens: list[int]) -> None:
+        hidden, row = self.model.last_hidden, 0
+        self.model.last_hidden = None
+        for s, n in zip(seqs, num_new_tokens):
+            sink(s, s.num_cached_tokens, hidden[row:row + n])
+            row += n
 
     def commit(self, seq: Sequence) -> None:
         """Name the blocks `seq`'s computed tokens filled (after a step run with commit=False)."""

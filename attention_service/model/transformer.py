@@ -98,6 +98,9 @@ class MoETransformer:
         # on the first decode step: None until then, [] where some layer cannot take it.
         self._fronts: list | None = None
         self._fronts_kv: KVCache | None = None
+        # The MTP drafter reads every row's final-normed hidden state (model/nextn.py): kept when set.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def kv_entry_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.attention.kv_entry_shapes()
@@ -125,6 +128,9 @@ class MoETransformer:
             for i, layer in enumerate(w.layers):
                 x = x + self.attention(i, layer.attn, self.norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
                 x = x + self.ffn(i, layer, self.norm(x, layer.ffn_norm, eps), batch, top_k)
+        if self.keep_hidden:
+            self.last_hidden = self.norm(x, w.output_norm, eps)  # row by row: the same rows as head() norms
+            return linear(self.last_hidden[batch.logits_rows].to(self.dtype), w.output).float()
         return self.head(x[batch.logits_rows])
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dty
         output = embedding if isinstance(embedding, torch.Tensor) else load.linear("token_embd.weight", vocab)
     weights = ModelWeights(
         token_embedding=embedding,
-        layers=[_load_layer(load, spec, cfg, i) for i in range(cfg.num_layers)],
+        layers=[load_layer(load, spec, cfg, i) for i in range(cfg.num_layers)],
         output_norm=load.norm("output_norm.weight", (cfg.hidden_size,)),
         output=output,
         rope_freqs=load.optional("rope_freqs.weight", (cfg.rope_dims // 2,), torch.float32),
@@ -87,7 +87,7 @@ def load_weights(g: GGUFFile, spec: ArchSpec, cfg: ModelConfig, dtype: torch.dty
     return weights
 
 
-def _load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) -> LayerWeights:
+def load_layer(load: WeightLoader, spec: ArchSpec, cfg: ModelConfig, i: int) -> LayerWeights:
     p = f"blk.{i}."
     is_moe = load.g.has(p + "ffn_gate_inp.weight")
     step = cfg.moe_layer_interval

@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "default 1, so that a file of a few layers is mostly MoE layers)")
     m.add_argument("--experts", type=int, default=0, metavar="E",
                    help="fewer routed experts than the real model (small test files; widths stay real)")
+    m.add_argument("--nextn", type=int, default=0, metavar="N",
+                   help="NextN/MTP blocks after the layers (as GLM-4.5 files carry one), for --speculative mtp")
     m.set_defaults(run=run_make_model)
 
     r = bench_sub.add_parser("run", help="measure the services, in-process and (optionally) the peers on one file")
@@ -95,7 +97,7 @@ def run_make_model(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     path = write_model(args.out, args.shape, args.layers, args.quant, args.seed, args.vocab or None,
-                       args.dense_layers, args.experts or None)
+                       args.dense_layers, args.experts or None, args.nextn)
     size = path.stat().st_size
     print(f"{path}: {args.shape}, {args.layers} layers, {args.quant}, seed {args.seed}: "
           f"{size / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")

@@ -86,9 +86,11 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                            help="on a CUDA device: keep N routed (layer, expert) pairs, or SIZE of them (4G), in GPU "
                                 "memory (bfloat16): the hottest by --heat-file's rates, else whole MoE layers from "
                                 "the first; the rest stay on the expert services (default: none)")),
-    ("--speculative", dict(choices=["none", "ngram", "draft"], default="none",
+    ("--speculative", dict(choices=["none", "ngram", "draft", "mtp"], default="none",
                            help="speculative decoding: ngram drafts each stream's next tokens from its own "
-                                "prompt and output (prompt lookup), draft from --model-draft's greedy decoding; "
+                                "prompt and output (prompt lookup), draft from --model-draft's greedy decoding, "
+                                "mtp with the file's own NextN/MTP block (GLM-4.5, GLM-4.7-Flash; its experts on "
+                                "the expert services with the others); "
                                 "they are verified all at once in one step, one hop per "
                                 "layer for all of them; greedy output is exactly what decoding one token at a time "
                                 "gives, sampled output is distributed as it (rejection sampling). Requests with a "
