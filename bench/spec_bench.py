@@ -13,6 +13,10 @@ Outputs are checked equal to the baseline's (float32 or not: the drafts change w
 verified together, and bfloat16 may round a near-tie differently in a multi-token step: counted,
 not failed). The attention side runs in this process (the engine, no HTTP); with
 `--expert-services N` the routed experts run in N `serve-experts` processes over shared memory.
+
+`--drafter mtp` (a file with a NextN block: `splitmoe bench make-model --nextn 1`): each proposal
+runs the file's MTP block for real (its passes, its hops to the experts), then proposes the
+oracle's tokens: the speed a trained MTP block of that acceptance gives, its own cost included.
 """
 from __future__ import annotations
 
@@ -58,6 +62,21 @@ def oracle(references: dict[tuple[int, ...], list[int]], acceptance: float, voca
                 return [t if rng.random() < acceptance else (t + 1 + rng.randrange(vocab - 1)) % vocab for t in truth]
         return []
     return draft
+
+
+def costed(drafter, propose):
+    """A drafter that does `drafter`'s work on every proposal but proposes `propose`'s tokens."""
+    from splitmoe.attention_service.engine.speculation import Drafter
+
+    class Costed(Drafter):
+        def propose(self, key, tokens, num_tokens):
+            drafter.propose(key, tokens, num_tokens)
+            return propose(tokens, num_tokens)
+
+        def release(self, key):
+            drafter.release(key)
+
+    return Costed()
 
 
 def run_batch(model, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -109,8 +128,9 @@ def measure(args) -> dict:
     runner = RunnerOptions(dtype=DTYPES[args.dtype], device=torch.device("cpu"), kv_cache_tokens=16384)
     model = load_serving_model(AttentionSettings(model_path=str(args.model), runner=runner, experts=experts,
                                                  max_running_seqs=64, max_batch_tokens=1024,
-                                                 speculation=SpeculationSettings("ngram", args.num_speculative_tokens,
+                                                 speculation=SpeculationSettings(args.drafter, args.num_speculative_tokens,
                                                                                  max_batch_seqs=64)))
+    mtp = model.engine.drafter if args.drafter == "mtp" else None
     vocab = model.runner.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -128,12 +148,13 @@ def measure(args) -> dict:
                 # length, none past 8 streams): side by side, as the machine's bandwidth drifts
                 runs = (("off", SpeculationSettings("none")),
                         ("fixed K", SpeculationSettings("ngram", args.num_speculative_tokens, max_batch_seqs=64,
-                                                        draft_token_cost=1e-6)),
+                                                        fixed_length=True)),
                         ("adaptive", SpeculationSettings("ngram", args.num_speculative_tokens)))
                 off_tok_s = None
                 for mode, settings in runs:
                     engine.speculation = settings
-                    engine.drafter = FunctionDrafter(oracle(references, acceptance, vocab))
+                    drafts = oracle(references, acceptance, vocab)
+                    engine.drafter = costed(mtp, drafts) if mtp is not None else FunctionDrafter(drafts)
                     before = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
                     out, seconds = run_batch(model, prompts, args.max_tokens)
                     drafted = engine.spec_stats.num_draft_tokens - before[0]
@@ -145,14 +166,14 @@ def measure(args) -> dict:
                                  "accepted_share": round(accepted / drafted, 2) if drafted else None,
                                  "outputs_differing": sum(o != b for o, b in zip(out, base_out))})
                     print(json.dumps(rows[-1]), flush=True)
-            engine.drafter = ngram_drafter(engine.speculation)
+            engine.drafter = mtp or ngram_drafter(engine.speculation)
     finally:
         model.engine.stop()
         model.experts.close()
         for p in procs:
             p.kill()
             p.wait()
-    return {"model": str(args.model), "dtype": args.dtype, "threads": args.threads,
+    return {"model": str(args.model), "dtype": args.dtype, "threads": args.threads, "drafter": args.drafter,
             "expert_services": args.expert_services, "num_speculative_tokens": args.num_speculative_tokens,
             "max_tokens": args.max_tokens, "rows": rows}
 
@@ -169,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--drafter", choices=["ngram", "mtp"], default="ngram",
+                   help="ngram: the oracle's tokens at no cost; mtp: the file's MTP block run for each proposal")
     args = p.parse_args(argv)
     report = measure(args)
     text = json.dumps(report, indent=1)

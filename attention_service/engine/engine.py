@@ -20,7 +20,13 @@ from opentelemetry import trace
 from splitmoe.attention_service.engine.request import GenerationRequest, RequestOutput
 from splitmoe.attention_service.engine.sampling import Sampled
 from splitmoe.attention_service.engine.scheduler import QueueFull, ScheduledStep, Scheduler
-from splitmoe.attention_service.engine.speculation import Drafter, SpeculationSettings, SpeculationStats, ngram_drafter
+from splitmoe.attention_service.engine.speculation import (
+    Drafter,
+    DrafterCost,
+    SpeculationSettings,
+    SpeculationStats,
+    ngram_drafter,
+)
 from splitmoe.attention_service.engine.token_mask import TokenMasks
 from splitmoe.attention_service.model.runner import ModelRunner
 from splitmoe.attention_service.model.sequence import Sequence
@@ -54,6 +60,7 @@ class Engine:
         self.drafter = drafter or ngram_drafter(speculation)  # proposes each request's next tokens
         self.stats = EngineStats()
         self.spec_stats = SpeculationStats()
+        self.drafter_cost = DrafterCost()  # added to each drafted token's verification cost
         self.token_masks = TokenMasks(runner.cfg.vocab_size)
         self._classify_error = classify_error
         self._lock = threading.Condition()
@@ -141,7 +148,11 @@ class Engine:
             with _step_span(step):
                 # drafts: every drafted row's logits, and the blocks named once the drafts are checked
                 verifying = dict(logits_tokens=[1 + len(d) for d in drafts], commit=False) if speculating else {}
+                started = time.perf_counter()
                 logits = self.runner.step([r.seq for r in step.requests], step.num_new_tokens, **verifying)
+                if all(n == 1 + len(d) for n, d in zip(step.num_new_tokens, drafts)):  # decoding only
+                    self.drafter_cost.add_step(time.perf_counter() - started, len(drafts), sum(map(len, drafts)),
+                                               self.speculation.draft_token_cost)
         except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
             for request, draft in zip(step.requests, drafts):
                 del request.seq.token_ids[request.seq.num_tokens - len(draft):]
@@ -190,10 +201,14 @@ class Engine:
             # every draft accepted still leaves room for the model's own token after them
             room = min(request.options.max_tokens - request.num_output_tokens,
                        request.max_context_tokens - seq.num_tokens) - 1
-            num_tokens = request.draft_length.next(min(spec.num_tokens, room), spec.draft_token_cost) if room > 0 else 0
+            cost = spec.draft_token_cost + self.drafter_cost.steps_per_token
+            num_tokens = (0 if room <= 0 else min(spec.num_tokens, room) if spec.fixed_length
+                          else request.draft_length.next(min(spec.num_tokens, room), cost))
             if num_tokens:
                 try:
+                    started = time.perf_counter()
                     request.draft = self.drafter.propose(seq.seq_id, seq.token_ids, num_tokens)
+                    self.drafter_cost.add_proposal(time.perf_counter() - started, num_tokens)
                 except Exception as e:  # noqa: BLE001 - a drafter's trouble (its KV cache full) costs only the draft
                     log.warning("request %s: no draft this step: %s", request.request_id, e)
                     self.drafter.release(seq.seq_id)

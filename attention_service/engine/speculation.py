@@ -47,6 +47,7 @@ class SpeculationSettings:
     ngram_min: int = 1          # the shortest (prompt_lookup_min)
     draft_token_cost: float = 0.25  # a drafted token's cost, in one-token steps (see the module docstring)
     draft_model: str = ""       # method draft: a small GGUF with the target's vocabulary (--model-draft)
+    fixed_length: bool = False  # draft num_tokens every step, as vLLM does, instead of the measured best K
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,6 +84,33 @@ class SpeculationStats:
             self.accepted_per_position.append(0)
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+
+@dataclass
+class DrafterCost:
+    """What the drafter's own work costs a drafted token, in one-token decode steps, measured as
+    it runs: proposing (the n-gram lookup: microseconds; a draft model or the MTP block: a forward
+    pass per token, which may be a large part of a step on a shallow file) over the step time,
+    each step's time counted as its one-token equivalent under the verification cost model."""
+
+    step_s: float = 0.0       # decayed mean of a one-token decode step
+    token_s: float = 0.0      # decayed mean of the drafter's time per drafted token
+
+    def add_step(self, seconds: float, num_seqs: int, num_drafted: int, draft_token_cost: float) -> None:
+        one_token = seconds / (1.0 + draft_token_cost * num_drafted / max(1, num_seqs))
+        self.step_s = _decayed(self.step_s, one_token)
+
+    def add_proposal(self, seconds: float, num_tokens: int) -> None:
+        if num_tokens:
+            self.token_s = _decayed(self.token_s, seconds / num_tokens)
+
+    @property
+    def steps_per_token(self) -> float:
+        return self.token_s / self.step_s if self.step_s else 0.0
+
+
+def _decayed(mean: float, sample: float, weight: float = 0.1) -> float:
+    return sample if not mean else mean + weight * (sample - mean)
 
 
 PROBE_EVERY_STEPS = 16  # a request whose drafts stopped paying drafts one token this often

@@ -26,7 +26,7 @@ from tests.support.expert_services import FAST_SETTINGS, ExpertServices
 DATA = Path(__file__).parents[2] / "data" / "mtp"
 FILES = ["glm4moe-mtp", "deepseek2-mtp"]
 REFS = np.load(DATA / "references.npz")
-MTP = SpeculationSettings("mtp", num_tokens=3, draft_token_cost=1e-6)  # every step drafts what it can
+MTP = SpeculationSettings("mtp", num_tokens=3, fixed_length=True)  # every step drafts what it can
 
 
 def f32_runner(name: str) -> ModelRunner:

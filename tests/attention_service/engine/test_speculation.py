@@ -11,6 +11,7 @@ import torch
 from splitmoe.attention_service.engine.sampling import SamplingOptions
 from splitmoe.attention_service.engine.speculation import (
     PROBE_EVERY_STEPS,
+    DrafterCost,
     DraftLength,
     FunctionDrafter,
     SpeculationSettings,
@@ -101,7 +102,7 @@ def test_in_bfloat16_a_verification_row_computes_as_a_decode_step(demo_gguf):
     as one-token steps compute, so even bfloat16's rounding gives the same tokens (one stream at a
     time: a batch of other size may round a near-tie otherwise, speculation or not)."""
     expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings(), concurrent=False, dtype=torch.bfloat16)
-    always = SpeculationSettings("ngram", num_tokens=6, draft_token_cost=1e-6)  # every step drafts what it can
+    always = SpeculationSettings("ngram", num_tokens=6, fixed_length=True)  # every step drafts what it can
     got, stats = run(demo_gguf, PROMPTS, always, concurrent=False, dtype=torch.bfloat16)
     assert got == expected and stats.num_accepted_tokens > 0
 
@@ -125,6 +126,16 @@ def test_the_draft_length_follows_the_measured_acceptance():
     for _ in range(20):
         length.update(length.next(4, 0.4) or 1, 0)  # none held
     assert [length.next(4, 0.4) for _ in range(PROBE_EVERY_STEPS)].count(1) == 1  # a probe, else nothing
+
+
+def test_the_drafters_own_cost_is_measured_in_one_token_steps():
+    cost = DrafterCost()
+    assert cost.steps_per_token == 0.0  # nothing measured: only the verification's cost counts
+    cost.add_proposal(0.004, 4)  # 1 ms a drafted token
+    cost.add_step(0.020, num_seqs=2, num_drafted=8, draft_token_cost=0.25)  # 2 streams of 4 drafts: 2 steps' work
+    assert cost.step_s == pytest.approx(0.010) and cost.steps_per_token == pytest.approx(0.1)
+    cost.add_step(0.030, num_seqs=1, num_drafted=0, draft_token_cost=0.25)
+    assert cost.step_s == pytest.approx(0.012)  # decayed: recent steps weigh a tenth each
 
 
 def test_a_continuation_reuses_blocks_named_from_speculative_steps(demo_gguf):
@@ -155,10 +166,16 @@ def test_a_draft_model_drafts_and_the_output_is_the_targets(demo_gguf, tmp_path)
     expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings())
     # the target itself as its own draft: every drafted token is the one the target would choose
     held = []
-    itself, stats = run(demo_gguf, PROMPTS, SpeculationSettings("draft", 4, draft_model=str(demo_gguf)),
+    itself, stats = run(demo_gguf, PROMPTS, SpeculationSettings("draft", 4, draft_model=str(demo_gguf), fixed_length=True),
                         stats_of=lambda model: held.append(len(model.engine.drafter._seqs)))
     assert itself == expected and stats.num_accepted_tokens == stats.num_draft_tokens > 100
     assert held == [0]  # every finished request's draft sequence was let go
+    # left to choose, the engine measures that a drafted token costs it about a step of its own:
+    # drafts that always hold do not pay then, and it soon drafts little
+    costs = []
+    adaptive, few = run(demo_gguf, PROMPTS, SpeculationSettings("draft", 4, draft_model=str(demo_gguf)),
+                        stats_of=lambda model: costs.append(model.engine.drafter_cost.steps_per_token))
+    assert adaptive == expected and costs[0] > 0.3 and few.num_draft_tokens < stats.num_draft_tokens / 2
     # another model of the same vocabulary (other weights, one layer): drafts often wrong, output the same
     other = tmp_path / "draft.gguf"
     write_demo_model(other, DemoShape(num_layers=1, seed=7))
@@ -231,7 +248,7 @@ def test_rejection_sampling_keeps_the_distribution_and_the_test_sees_a_biased_ve
     # (kept, and drawn from the rest) are taken often
     modes = [max(set(col), key=col.count) for col in ([o[1] for o in plain], [o[2] for o in plain])]
     draft_at_second = lambda tokens, k: modes[:k] if len(tokens) == len(prompt) + 1 else []  # noqa: E731
-    always = SpeculationSettings("ngram", num_tokens=2, max_batch_seqs=10_000, draft_token_cost=1e-6)
+    always = SpeculationSettings("ngram", num_tokens=2, max_batch_seqs=10_000, fixed_length=True)
     speculated, stats = sample_many(demo_gguf, prompt, n, always, draft_at_second)
     assert stats.num_drafts == n and stats.num_draft_tokens == 2 * n
     assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9, stats
