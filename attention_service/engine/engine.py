@@ -144,8 +144,8 @@ class Engine:
         for request, draft in zip(step.requests, drafts):
             request.seq.token_ids.extend(draft)
             request.draft = []
-        try:
-            with _step_span(step):
+        with _step_span(step, drafts) as span:
+            try:
                 # drafts: every drafted row's logits, and the blocks named once the drafts are checked
                 verifying = dict(logits_tokens=[1 + len(d) for d in drafts], commit=False) if speculating else {}
                 started = time.perf_counter()
@@ -153,13 +153,21 @@ class Engine:
                 if all(n == 1 + len(d) for n, d in zip(step.num_new_tokens, drafts)):  # decoding only
                     self.drafter_cost.add_step(time.perf_counter() - started, len(drafts), sum(map(len, drafts)),
                                                self.speculation.draft_token_cost)
-        except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
-            for request, draft in zip(step.requests, drafts):
-                del request.seq.token_ids[request.seq.num_tokens - len(draft):]
-            self._fail(step.requests, e)
-            return
-        self._count(step)
-        outputs = self._verify(step, drafts, logits.cpu()) if speculating else self._sample(step, logits)
+            except Exception as e:  # noqa: BLE001 - any failure ends this step's requests, not the engine
+                span.record_exception(e)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)))
+                for request, draft in zip(step.requests, drafts):
+                    del request.seq.token_ids[request.seq.num_tokens - len(draft):]
+                self._fail(step.requests, e)
+                return
+            self._count(step)
+            if speculating:
+                accepted_before = self.spec_stats.num_accepted_tokens
+                outputs = self._verify(step, drafts, logits.cpu())
+                span.set_attribute("splitmoe.num_draft_tokens", sum(map(len, drafts)))
+                span.set_attribute("splitmoe.num_accepted_tokens", self.spec_stats.num_accepted_tokens - accepted_before)
+            else:
+                outputs = self._sample(step, logits)
         # Handed over after the whole step's sampling: the receivers' threads (the serving loop)
         # wake once for the step and do not take the interpreter from the sampling in between.
         for sink, output in outputs:
@@ -313,11 +321,12 @@ def _on_host(logits: torch.Tensor, requests: list[GenerationRequest], indices: l
     return greedy, {i: j for j, i in enumerate(rest)}, logits[rest].cpu() if rest else logits.new_empty(0)
 
 
-def _step_span(step: ScheduledStep):
-    """A span per step, in the trace of its first request and linked from the others'."""
+def _step_span(step: ScheduledStep, drafts: list[list[int]]):
+    """A span per step, in the trace of its first request and linked from the others'. A step
+    that only verifies drafts is a decode step."""
     contexts = [r.trace_context for r in step.requests if r.trace_context is not None]
     parent = trace.set_span_in_context(trace.NonRecordingSpan(contexts[0])) if contexts else None
-    prefill = any(n > 1 for n in step.num_new_tokens)
+    prefill = any(n > 1 + len(d) for n, d in zip(step.num_new_tokens, drafts))
     return _tracer.start_as_current_span(
         "attention.prefill_step" if prefill else "attention.decode_step", context=parent,
         links=[trace.Link(c) for c in contexts[1:]],

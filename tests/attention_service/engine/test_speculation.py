@@ -277,3 +277,21 @@ def test_through_two_expert_services_over_shared_memory(demo_gguf, tmp_path):
     finally:
         services.stop_all()
     assert got == expected and stats.num_accepted_tokens > 0
+
+
+def test_each_verifying_step_span_counts_its_drafted_and_accepted_tokens(demo_gguf, monkeypatch):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from splitmoe.attention_service.engine import engine as engine_module
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(engine_module, "_tracer", provider.get_tracer("test"))
+    _, stats = run(demo_gguf, PROMPTS[:2], NGRAM)
+    steps = [s.attributes for s in exporter.get_finished_spans() if s.name == "attention.decode_step"]
+    verifying = [a for a in steps if "splitmoe.num_draft_tokens" in a]
+    assert verifying and len(verifying) < len(steps)  # not every step drafts
+    assert sum(a["splitmoe.num_draft_tokens"] for a in verifying) == stats.num_draft_tokens
+    assert sum(a["splitmoe.num_accepted_tokens"] for a in verifying) == stats.num_accepted_tokens > 0
