@@ -295,3 +295,25 @@ def test_each_verifying_step_span_counts_its_drafted_and_accepted_tokens(demo_gg
     assert verifying and len(verifying) < len(steps)  # not every step drafts
     assert sum(a["splitmoe.num_draft_tokens"] for a in verifying) == stats.num_draft_tokens
     assert sum(a["splitmoe.num_accepted_tokens"] for a in verifying) == stats.num_accepted_tokens > 0
+
+
+FAMILIES = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "deepseek", "deepseek2", "deepseek3", "gptoss", "glm4moe",
+            "dbrx", "llama4"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_decodes_the_same_tokens_whatever_the_drafter(fixtures_dir, family):
+    """Float32, greedy, the llama.cpp-made fixture of each family: the n-gram lookup's drafts,
+    random ones (always K of them), and the file itself as its own draft model give the tokens of
+    plain decoding; the self-draft's are all accepted."""
+    path = fixtures_dir / family / f"{family}-q8_0.gguf"
+    prompts = [[5, 17, 42, 9] * 4, [100, 3, 100, 3, 100, 3, 77], [31, 7, 31, 7, 31, 8, 31, 7, 31]]
+    expected, _ = run(path, prompts, SpeculationSettings())
+    got, _ = run(path, prompts, NGRAM)
+    assert got == expected
+    rng = random.Random(1)
+    got, stats = run(path, prompts, SpeculationSettings("ngram", 4, fixed_length=True),
+                     drafter=lambda tokens, k: [rng.randrange(2000) for _ in range(k)])
+    assert got == expected and stats.num_draft_tokens > 100
+    got, stats = run(path, prompts, SpeculationSettings("draft", 3, draft_model=str(path), fixed_length=True))
+    assert got == expected and stats.num_accepted_tokens == stats.num_draft_tokens > 50
