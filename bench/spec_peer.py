@@ -10,6 +10,10 @@ ngram --num-speculative-tokens K` is timed from its token stream (first token to
 draft counts read from /metrics. Random weights make greedy text that repeats itself, which is
 what prompt lookup drafts from: each engine's acceptance is its own output's, reported beside its
 speed. Everything runs with the same threads, one engine at a time.
+
+`--demo`: the trained demo model instead, as a real case of prompt lookup on a model's own
+answers: `splitmoe up` alone (no expert services: the demo is tiny), the demo's capital questions
+one after another over the chat API, tokens/s over all answers, with and without `--speculative ngram`.
 """
 from __future__ import annotations
 
@@ -130,6 +134,36 @@ def stream(base: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     return (num_tokens - 1) / (times[-1] - times[0]), []
 
 
+def demo_case(args, speculative: bool) -> dict:
+    from splitmoe.demo import corpus
+
+    port = free_port()
+    command = [sys.executable, "-m", "splitmoe", "up", "--expert-services", "0", "--threads", str(args.threads),
+               "--port", str(port), "--run-dir", str(args.dir / f"demo-{'spec' if speculative else 'plain'}")]
+    if speculative:
+        command += ["--speculative", "ngram", "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    process = subprocess.Popen(command, stdout=open(args.dir / "demo.log", "ab"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    questions = [f"What is the capital of {country}?" for country in corpus.CAPITALS]
+    try:
+        wait_healthy(f"{base}/health", process)
+        model = json.load(urllib.request.urlopen(f"{base}/v1/models"))["data"][0]["id"]
+        rates = []
+        for _ in range(args.repeats):
+            before, started, tokens = draft_counts(base), time.perf_counter(), 0
+            for question in questions:
+                answer = post(f"{base}/v1/chat/completions", {
+                    "model": model, "temperature": 0.0, "messages": [{"role": "user", "content": question}]})
+                tokens += answer["usage"]["completion_tokens"]
+            after = draft_counts(base)
+            rates.append((tokens / (time.perf_counter() - started), after[0] - before[0], after[1] - before[1]))
+    finally:
+        stop(process)
+    tok_s, drafted, accepted = max(rates)
+    return {"engine": "SplitMoE demo", "speculative": "ngram" if speculative else "plain", "tok_s": round(tok_s, 1),
+            "draft_tokens": drafted, "accepted": accepted, "questions": len(questions)}
+
+
 def draft_counts(base: str) -> tuple[int, int]:
     text = urllib.request.urlopen(f"{base}/metrics").read().decode()
 
@@ -147,8 +181,9 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--llama-server", type=Path, required=True, help="llama.cpp's llama-server binary")
+    p.add_argument("--model", type=Path, help="the GGUF file both engines serve")
+    p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary")
+    p.add_argument("--demo", action="store_true", help="the trained demo model's real case instead (SplitMoE only)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -158,6 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.demo:
+        rows = [demo_case(args, speculative) for speculative in (False, True)]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"model": "demo", "threads": args.threads, "rows": rows}, indent=1) + "\n")
+        return 0
+    if not (args.model and args.llama_server):
+        p.error("--model and --llama-server are needed (or --demo)")
     rng = random.Random(0)
     phrase = [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens // 4)]
     prompt = phrase * 4  # text that repeats itself, as code and quoted documents do
