@@ -358,6 +358,8 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             spec_num_drafts=m.engine.spec_stats.num_drafts, spec_num_draft_tokens=m.engine.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=m.engine.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=list(m.engine.spec_stats.accepted_per_position),
+            kv_cache_tokens=blocks.pool.num_blocks * blocks.kv_block_tokens, kv_cache_dtype=m.runner.kv.format.name,
+            kv_cache_bytes_per_token=m.runner.kv.bytes_per_token,
             device=str(m.runner.options.device))
         _add_device_memory(stats, m)
         await asyncio.to_thread(_add_expert_stats, stats, m)

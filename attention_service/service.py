@@ -185,6 +185,9 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
              model.model_id, runner.cfg.arch, runner.cfg.num_layers, dtype_name(options.dtype), options.device,
              model.reasoning.name if model.reasoning else "none", settings.reasoning_format,
              model.tool_format.name if model.tool_format else "none")
+    kv = runner.kv
+    log.info("KV cache: %d tokens over all sequences, stored as %s, %d bytes a token (%.0f MiB full)",
+             runner.blocks.pool.num_blocks * kv.kv_block_tokens, kv.format.name, kv.bytes_per_token, kv.reserved_bytes / MIB)
     log_memory(runner, before)
     return model
 

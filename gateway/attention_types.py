@@ -210,3 +210,6 @@ class AttentionStats:
     spec_num_draft_tokens: int = 0            # drafted tokens in them
     spec_num_accepted_tokens: int = 0         # of those, accepted
     spec_accepted_per_position: tuple[int, ...] = ()  # accepted, by position in the draft
+    kv_cache_tokens: int = 0                  # the KV cache's capacity, over all sequences
+    kv_cache_dtype: str = ""                  # how it stores values (--kv-cache-dtype)
+    kv_cache_bytes_per_token: int = 0         # over every layer

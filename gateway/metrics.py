@@ -147,6 +147,13 @@ def _scheduler_families(s: AttentionStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("splitmoe:num_requests_waiting", "Requests queued for admission.", value=s.num_waiting)
     yield GaugeMetricFamily("splitmoe:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.",
                             value=s.kv_cache_usage)
+    # vLLM's cache_config_info: the cache's settings as labels of a constant 1
+    config = GaugeMetricFamily("splitmoe:cache_config_info", "The KV cache's configuration.",
+                               labels=["cache_dtype", "num_tokens", "bytes_per_token"])
+    config.add_metric([s.kv_cache_dtype, str(s.kv_cache_tokens), str(s.kv_cache_bytes_per_token)], 1)
+    yield config
+    yield GaugeMetricFamily("splitmoe:kv_cache_capacity_tokens", "Tokens the KV cache holds, over all sequences.",
+                            value=s.kv_cache_tokens)
     yield GaugeMetricFamily("splitmoe:max_batch_seqs", "Most sequences batched in one scheduler step.",
                             value=s.max_batch_seqs_seen)
     yield GaugeMetricFamily("splitmoe:max_batch_tokens", "Most tokens batched in one scheduler step.",

@@ -327,7 +327,7 @@ class ExpertTokenCount(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class AttentionStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "uncovered_layers", "expert_heat", "expert_imbalance", "device", "device_memory", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_position")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_steps", "max_batch_tokens_seen", "max_batch_seqs_seen", "hops", "expert_tokens", "prefix_cache_queries", "prefix_cache_hits", "uncovered_layers", "expert_heat", "expert_imbalance", "device", "device_memory", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_position", "kv_cache_tokens", "kv_cache_dtype", "kv_cache_bytes_per_token")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,9 @@ class AttentionStats(_message.Message):
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -366,7 +369,10 @@ class AttentionStats(_message.Message):
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., uncovered_layers: _Optional[_Iterable[int]] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ..., device: _Optional[str] = ..., device_memory: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_cache_tokens: int
+    kv_cache_dtype: str
+    kv_cache_bytes_per_token: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_steps: _Optional[int] = ..., max_batch_tokens_seen: _Optional[int] = ..., max_batch_seqs_seen: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[HopStats, _Mapping]]] = ..., expert_tokens: _Optional[_Iterable[_Union[ExpertTokenCount, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., uncovered_layers: _Optional[_Iterable[int]] = ..., expert_heat: _Optional[_Iterable[_Union[ExpertHeat, _Mapping]]] = ..., expert_imbalance: _Optional[float] = ..., device: _Optional[str] = ..., device_memory: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class DeviceMemory(_message.Message):
     __slots__ = ("kind", "bytes")

@@ -57,7 +57,8 @@ class MTPDrafter(Drafter):
         g, cfg, o = runner.gguf, runner.cfg, runner.options
         self.block = NextNBlock(runner.model, load_nextn(g, arch_spec(g.arch, g.path.name), cfg, o.dtype, o.device))
         num_blocks = -(-o.kv_cache_tokens // o.kv_block_tokens)
-        self.kv = KVCache(1, num_blocks, o.kv_block_tokens, self.block.kv_entry_shapes(), o.dtype, o.device)
+        self.kv = KVCache(1, num_blocks, o.kv_block_tokens, self.block.kv_entry_shapes(), o.dtype, o.device,
+                          runner.kv.format)
         self.blocks = BlockManager(num_blocks, o.kv_block_tokens)
         self.device = o.device
         self._requests: dict[int, _Request] = {}

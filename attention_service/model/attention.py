@@ -39,7 +39,7 @@ def use_native_attention(kv: KVCache) -> bool:
     """Whether attention over the cache runs natively (kernels.decode_attention, which takes prompts
     in tiles): the fast mode's bfloat16 cache on the CPU. The float32 mode keeps the torch path,
     the exact reference."""
-    return kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and native.AVAILABLE
+    return kv.dtype == torch.bfloat16 and kv.as_computed and kv.device.type == "cpu" and native.AVAILABLE
 
 
 def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:

@@ -10,6 +10,10 @@ so that one head's context is contiguous for attention's batched matrix products
 [C, *shape] all the same (a transposed view), and costs no copy when the slots are one run of
 consecutive slots, which is what a sequence's blocks usually are (the block manager hands out
 free blocks in order).
+
+How values are stored is the cache's format (kv_formats.py, `--kv-cache-dtype`): as computed, or
+in 8 bits; `dtype` is what reads return. Kernels that address the pools themselves (`pools`: the
+native and paged attention) read only a cache stored as computed.
 """
 from __future__ import annotations
 
@@ -17,22 +21,30 @@ from typing import Mapping
 
 import torch
 
+from splitmoe.attention_service.model.kv_formats import DenseFormat, KVFormat, check_rows
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, kv_block_tokens: int,
-                 entry_shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+                 entry_shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                 fmt: KVFormat | None = None):
         self.num_blocks = num_blocks
         self.kv_block_tokens = kv_block_tokens
         self.dtype, self.device = dtype, device
+        self.format = fmt or DenseFormat(dtype)
+        check_rows(self.format, dict(entry_shapes))
+        # stored as computed: the pools are what kernels that address slots themselves read
+        self.as_computed = isinstance(self.format, DenseFormat) and self.format.dtype == dtype
         num_slots = num_blocks * kv_block_tokens
         self._slot_dims = {name: max(0, len(shape) - 1) for name, shape in entry_shapes.items()}
-        self._pools = [
-            {name: torch.zeros((*shape[:-1], num_slots, *shape[-1:]), dtype=dtype, device=device)
+        self._stored = [
+            {name: self.format.allocate((*shape[:-1], num_slots, *shape[-1:]), device)
              for name, shape in entry_shapes.items()}
             for _ in range(num_layers)
         ]
-        self.bytes_per_token = sum(
-            torch.Size(shape).numel() * dtype.itemsize for shape in entry_shapes.values()) * num_layers
+        self._pools = [{name: pools[0] for name, pools in layer.items()} for layer in self._stored]
+        self.bytes_per_token = int(sum(
+            torch.Size(shape).numel() * self.format.bytes_per_value for shape in entry_shapes.values()) * num_layers)
         self.reserved_bytes = self.bytes_per_token * num_slots  # allocated zeroed: pages arrive as they are written
         # (slots tensor, run start) of the last few slot tensors read: every layer of a step reads
         # the same context tensor, so its check runs once per step. Holding the tensors means an
@@ -41,14 +53,16 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, **entries: torch.Tensor) -> None:
         """Each entry [T, *shape] into `slots` [T]."""
-        pool = self._pools[layer]
+        stored = self._stored[layer]
         for name, value in entries.items():
             dim = self._slot_dims[name]
-            pool[name].index_copy_(dim, slots, value.to(pool[name].dtype).movedim(0, dim))
+            self.format.write(stored[name], dim, slots, value.movedim(0, dim))
 
     def pools(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's whole pools ([*shape[:-1], slots, shape[-1]]), for kernels that address
         slots themselves (kernels.decode_attention). Do not write to them."""
+        if not self.as_computed:
+            raise RuntimeError(f"a {self.format.name} KV cache is read through read(), not its pools")
         return self._pools[layer]
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -59,11 +73,14 @@ class KVCache:
     def read_pooled(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """`read` in the pool's layout: an entry of shape [G, D] comes as [G, C, D]."""
         start = self._run_start(slots)
-        out = {}
-        for name, t in self._pools[layer].items():
-            dim = self._slot_dims[name]
-            out[name] = t.index_select(dim, slots) if start is None else t.narrow(dim, start, slots.numel())
-        return out
+        if self.as_computed:
+            out = {}
+            for name, t in self._pools[layer].items():
+                dim = self._slot_dims[name]
+                out[name] = t.index_select(dim, slots) if start is None else t.narrow(dim, start, slots.numel())
+            return out
+        return {name: self.format.read(pools, self._slot_dims[name], slots, start, self.dtype)
+                for name, pools in self._stored[layer].items()}
 
     def _run_start(self, slots: torch.Tensor) -> int | None:
         hit = self._runs.get(id(slots))

@@ -20,6 +20,7 @@ from splitmoe.attention_service.gpu.memory import DeviceMemory, device_memory, t
 from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.model.kv_cache import KVCache
+from splitmoe.attention_service.model.kv_formats import kv_format
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.static_decode import DecodeRows, StaticDecode
 from splitmoe.attention_service.model.transformer import MoETransformer
@@ -54,12 +55,16 @@ class RunnerOptions:
     static_decode: bool | None = None
     # Those segments captured as CUDA graphs and replayed (gpu/graphs.py); only on CUDA.
     cuda_graphs: bool = True
+    # How the KV cache stores its values (model/kv_formats.py): auto = as computed (dtype), or
+    # bfloat16 / float32 / fp8_e4m3 / fp8_e5m2 / q8_0 (--kv-cache-dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype must be float32 or bfloat16, not {self.dtype}")
         if self.micro_batches not in (1, 2):
             raise ValueError(f"micro_batches must be 1 or 2, not {self.micro_batches}")
+        kv_format(self.kv_cache_dtype, self.dtype)  # a name it does not know fails here
         if self.kv_cache_tokens < 1 or self.kv_block_tokens < 1:
             raise ValueError("kv_cache_tokens and kv_block_tokens must be >= 1")
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -80,10 +85,12 @@ class ModelRunner:
     def __init__(self, g: GGUFFile, cfg: ModelConfig, model: MoETransformer, options: RunnerOptions):
         self.gguf, self.cfg, self.model, self.options = g, cfg, model, options
         num_blocks = -(-options.kv_cache_tokens // options.kv_block_tokens)
+        fmt = kv_format(options.kv_cache_dtype, options.dtype)
         static = options.static_decode if options.static_decode is not None else options.device.type != "cpu"
+        static = static and fmt.name == dtype_name(options.dtype)  # its paged kernels read the cache as computed
         # The static decode's padded rows write their KV into one more block, which no sequence gets.
         self.kv = KVCache(cfg.num_layers, num_blocks + static, options.kv_block_tokens, model.kv_entry_shapes(),
-                          options.dtype, options.device)
+                          options.dtype, options.device, fmt)
         self.blocks = BlockManager(num_blocks, options.kv_block_tokens, options.prefix_caching)
         self.static_decode = self._static_decode(num_blocks) if static else None
         self.weight_bytes = tensor_bytes(model.weights, options.device) if options.device.type != "cpu" else 0

@@ -21,6 +21,10 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                           "float32: the exact reference path (dequantized weights, slowest)")),
     ("--device", dict(default="", help="torch device for attention (default: cuda when present, else cpu)")),
     ("--kv-cache-tokens", dict(type=int, default=16384, help="KV cache capacity in tokens, over all sequences")),
+    ("--kv-cache-dtype", dict(choices=["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "q8_0"], default="auto",
+                              help="how the KV cache stores values: auto as computed (--dtype), or 8 bits a value: "
+                                   "fp8 (vLLM's, scale 1.0) or q8_0 (llama.cpp's 32-value blocks): twice the tokens "
+                                   "in the same memory (default: auto)")),
     ("--max-batch-tokens", dict(type=int, default=512, help="tokens per step (prompt chunks + decodes)")),
     ("--max-running", dict(type=int, default=64, help="sequences decoding together")),
     ("--max-waiting", dict(type=int, default=256, help="queued requests before 429")),
@@ -163,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     security = cluster_security(args)
     runner = serving_runner_options(
         dtype=DTYPES[args.dtype], device=torch.device(args.device) if args.device else default_device(),
-        kv_cache_tokens=args.kv_cache_tokens, experts_per_token=args.experts_per_token, micro_batches=args.micro_batches,
+        kv_cache_tokens=args.kv_cache_tokens, kv_cache_dtype=args.kv_cache_dtype,
+        experts_per_token=args.experts_per_token, micro_batches=args.micro_batches,
         prefix_caching=args.prefix_caching == "on", cuda_graphs=args.cuda_graphs == "on")
     experts = RemoteExpertsSettings(
         addresses=args.expert_services, expert_timeout_s=args.expert_timeout_s, transport=args.transport,
