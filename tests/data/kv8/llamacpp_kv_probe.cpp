@@ -2,7 +2,7 @@
 // setting, for llamacpp_kv.json (README.md here; not built by the project). CPU only, 2 threads, the
 // whole prompt in one llama_decode and one ubatch, from an empty cache, no BOS: the ids as given.
 // Writes int32 {T, V}, then float32 logits [T, V]. Prints "kv_probe: flash_attn=<on|off>" (what the
-// context resolved AUTO to) on stderr.
+// context resolved AUTO to) on stderr. make_llamacpp_kv.py runs it on every fixture.
 //
 //   L=LLAMA_CPP_DIR; g++ -O1 -std=c++17 llamacpp_kv_probe.cpp -I$L/include -I$L/ggml/include \
 //     -L$L/build/bin -lllama -lggml -lggml-base -Wl,-rpath,$L/build/bin -o kv_probe
