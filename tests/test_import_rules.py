@@ -25,7 +25,7 @@ MAY_IMPORT = {
     "expert_service": SERVICE_FLOOR,
     "gateway": {"proto", "runtime"},
     "bench": {"kernels", "proto", "modelfile", "runtime", "attention_service", "expert_service", "gateway",
-              "splitmoe", "supervisor", "local_stack", "demo_model"},  # not the CLI: it calls bench
+              "splitmoe", "supervisor", "local_stack", "demo_model", "demo"},  # not the CLI: it calls bench
 }
 MUST_NOT_IMPORT = {"gateway": {"torch", "numpy"}, "proto": {"numpy"}, "runtime": {"torch", "numpy"}}
 
