@@ -90,9 +90,7 @@ class MTPDrafter(Drafter):
         first = r.base + r.done
         if first >= n - 1:
             return []
-        self._cut(r, n - 1)
-        hidden, r.pending, r.hidden_start = torch.cat(r.pending), [], n - 1
-        hidden = hidden[first - (n - 1 - len(hidden)):]  # rows of positions first .. n-2
+        hidden = self._take(r, first, n - 1)
         g, logits = self._run(key, r.done, hidden, tokens[first + 1:n])
         r.done = n - 1 - r.base
         drafted = [int(logits[-1].argmax())]
@@ -128,6 +126,13 @@ class MTPDrafter(Drafter):
     @staticmethod
     def _cut(r: _Request, end: int) -> None:
         """Keep the pending rows of positions before `end` only."""
-        keep = end - r.hidden_start
-        rows = torch.cat(r.pending) if r.pending else None
-        r.pending = [rows[:max(0, keep)]] if rows is not None and keep > 0 else []
+        if r.pending:
+            r.pending = [torch.cat(r.pending)[:max(0, end - r.hidden_start)]]
+
+    @staticmethod
+    def _take(r: _Request, start: int, end: int) -> torch.Tensor:
+        """The pending rows of positions start..end-1, which the block now runs; the rows after
+        `end` (of drafts not yet checked) go, as the next step's rows replace them."""
+        rows = torch.cat(r.pending)[start - r.hidden_start:end - r.hidden_start]
+        r.pending, r.hidden_start = [], end
+        return rows

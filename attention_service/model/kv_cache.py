@@ -33,8 +33,7 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.format = fmt or DenseFormat(dtype)
         check_rows(self.format, dict(entry_shapes))
-        # stored as computed: the pools are what kernels that address slots themselves read
-        self.as_computed = isinstance(self.format, DenseFormat) and self.format.dtype == dtype
+        self.as_computed = self.format.stores_as(dtype)
         num_slots = num_blocks * kv_block_tokens
         self._slot_dims = {name: max(0, len(shape) - 1) for name, shape in entry_shapes.items()}
         self._stored = [
@@ -72,13 +71,7 @@ class KVCache:
 
     def read_pooled(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """`read` in the pool's layout: an entry of shape [G, D] comes as [G, C, D]."""
-        start = self._run_start(slots)
-        if self.as_computed:
-            out = {}
-            for name, t in self._pools[layer].items():
-                dim = self._slot_dims[name]
-                out[name] = t.index_select(dim, slots) if start is None else t.narrow(dim, start, slots.numel())
-            return out
+        start = self._run_start(slots)  # as computed and consecutive: views of the pool, no copy
         return {name: self.format.read(pools, self._slot_dims[name], slots, start, self.dtype)
                 for name, pools in self._stored[layer].items()}
 

@@ -29,6 +29,11 @@ class KVFormat(abc.ABC):
     name: str
     bytes_per_value: float
 
+    def stores_as(self, dtype: torch.dtype) -> bool:
+        """Whether values are stored exactly as computed in `dtype`: then kernels that address the
+        pools themselves (native and paged attention) can read them."""
+        return False
+
     @abc.abstractmethod
     def allocate(self, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
         """The pools of one entry of one layer, `shape` with the slot axis in place, zeroed."""
@@ -52,6 +57,9 @@ class DenseFormat(KVFormat):
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.name, self.bytes_per_value = dtype, str(dtype).removeprefix("torch."), dtype.itemsize
+
+    def stores_as(self, dtype):
+        return dtype == self.dtype
 
     def allocate(self, shape, device):
         return (torch.zeros(shape, dtype=self.dtype, device=device),)

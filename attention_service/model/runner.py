@@ -87,7 +87,7 @@ class ModelRunner:
         num_blocks = -(-options.kv_cache_tokens // options.kv_block_tokens)
         fmt = kv_format(options.kv_cache_dtype, options.dtype)
         static = options.static_decode if options.static_decode is not None else options.device.type != "cpu"
-        static = static and fmt.name == dtype_name(options.dtype)  # its paged kernels read the cache as computed
+        static = static and fmt.stores_as(options.dtype)  # its paged kernels read the cache as computed
         # The static decode's padded rows write their KV into one more block, which no sequence gets.
         self.kv = KVCache(cfg.num_layers, num_blocks + static, options.kv_block_tokens, model.kv_entry_shapes(),
                           options.dtype, options.device, fmt)

@@ -15,13 +15,13 @@ import torch
 from splitmoe.attention_service.engine.mtp import MTPDrafter
 from splitmoe.attention_service.engine.speculation import SpeculationSettings
 from splitmoe.attention_service.expert_backends.backend import InProcessExperts
+from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.service import load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
-from tests.attention_service.engine.test_speculation import PROMPTS, run
-from tests.support.expert_services import FAST_SETTINGS, ExpertServices
+from tests.attention_service.engine.test_speculation import PROMPTS, run, through_two_services
 
 DATA = Path(__file__).parents[2] / "data" / "mtp"
 FILES = ["glm4moe-mtp", "deepseek2-mtp"]
@@ -60,8 +60,6 @@ def test_the_blocks_draft_logits_match_transformers(name, prompt):
     batch_seq = Sequence(2, ids[1:])
     drafter.blocks.reserve(batch_seq.seq_id, rows)
     context = drafter.blocks.slots(batch_seq.seq_id, 0, rows)
-    from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
-
     batch = StepBatch(token_ids=torch.tensor(ids[1:]), positions=torch.arange(rows), new_slots=context,
                       seqs=(SeqSlice(0, rows, context),), logits_rows=torch.arange(rows))
     _, logits = drafter.block.forward(hidden[:rows], batch.token_ids, batch, drafter.kv)
@@ -143,20 +141,7 @@ def test_mtp_drafts_change_no_greedy_token_bfloat16():
 @pytest.mark.stack
 def test_mtp_through_two_expert_services_over_shared_memory(tmp_path):
     """The block's MoE layer is one more layer on the services (they host its experts by default)."""
-    from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
-
-    path = DATA / "glm4moe-mtp.gguf"
-    services = ExpertServices(tmp_path)
-    services.start("low", path, "--experts", "0-3")
-    services.start("high", path, "--experts", "4-7")
-    try:
-        services.wait()
-        experts = RemoteExpertsSettings(addresses=(services.address("low"), services.address("high")),
-                                        transport="shm", **FAST_SETTINGS)
-        expected, _ = run(path, PROMPTS, SpeculationSettings(), experts=experts)
-        got, stats = run(path, PROMPTS, MTP, experts=experts)
-    finally:
-        services.stop_all()
+    expected, got, stats = through_two_services(DATA / "glm4moe-mtp.gguf", tmp_path, MTP)
     assert got == expected and stats.num_drafts > 50
 
 

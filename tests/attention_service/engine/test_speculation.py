@@ -261,21 +261,28 @@ def test_rejection_sampling_keeps_the_distribution_and_the_test_sees_a_biased_ve
     assert chi_square_p([o[1] for o in plain], [o[1] for o in biased]) < 1e-6
 
 
-@pytest.mark.stack
-def test_through_two_expert_services_over_shared_memory(demo_gguf, tmp_path):
+def through_two_services(model_path, log_dir, speculation):
+    """(plain outputs, speculated outputs, stats), the experts of `model_path` (8 of them) split
+    between two expert services reached over shared memory."""
     from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
 
-    services = ExpertServices(tmp_path)
-    services.start("low", demo_gguf, "--experts", "0-3")
-    services.start("high", demo_gguf, "--experts", "4-7")
+    services = ExpertServices(log_dir)
+    services.start("low", model_path, "--experts", "0-3")
+    services.start("high", model_path, "--experts", "4-7")
     try:
         services.wait()
         experts = RemoteExpertsSettings(addresses=(services.address("low"), services.address("high")),
                                         transport="shm", **FAST_SETTINGS)
-        expected, _ = run(demo_gguf, PROMPTS, SpeculationSettings(), experts=experts)
-        got, stats = run(demo_gguf, PROMPTS, NGRAM, experts=experts)
+        expected, _ = run(model_path, PROMPTS, SpeculationSettings(), experts=experts)
+        got, stats = run(model_path, PROMPTS, speculation, experts=experts)
     finally:
         services.stop_all()
+    return expected, got, stats
+
+
+@pytest.mark.stack
+def test_through_two_expert_services_over_shared_memory(demo_gguf, tmp_path):
+    expected, got, stats = through_two_services(demo_gguf, tmp_path, NGRAM)
     assert got == expected and stats.num_accepted_tokens > 0
 
 
