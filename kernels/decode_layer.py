@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from splitmoe.kernels import native
-from splitmoe.kernels.decode_attention import AttentionContext
+from splitmoe.kernels.decode_attention import AttentionContext, KVPool
 from splitmoe.kernels.linear import QuantLinear
 
 
@@ -27,7 +27,6 @@ class QkNorm(enum.IntEnum):
     FULL = 2  # over the whole projection: [H*Dk] for q, [G*Dk] for k (OLMoE)
 
 
-_KV_TYPES = {torch.float32: 0, torch.bfloat16: 30}
 _P = ctypes.c_void_p
 
 
@@ -45,7 +44,8 @@ class _AttnLayer(ctypes.Structure):
                 ("window", ctypes.c_int32), ("sinks", _P), ("k_pool", _P), ("v_pool", _P),
                 ("k_row", ctypes.c_int64), ("k_head", ctypes.c_int64), ("v_row", ctypes.c_int64),
                 ("v_head", ctypes.c_int64), ("kv_type", ctypes.c_int32), ("router", _P), ("router_bias", _P),
-                ("E", ctypes.c_int32)]
+                ("E", ctypes.c_int32), ("k_scales", _P), ("v_scales", _P), ("k_scale_row", ctypes.c_int64),
+                ("k_scale_head", ctypes.c_int64), ("v_scale_row", ctypes.c_int64), ("v_scale_head", ctypes.c_int64)]
 
 
 class _DecodeStep(ctypes.Structure):
@@ -97,7 +97,7 @@ class AttentionFront:
                  value_dim: int, biases: tuple = (None, None, None, None), qk_norm: QkNorm = QkNorm.NONE,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, rope_dims: int = 0,
                  rope_interleaved: bool = False, scale: float = 1.0, window: int = 0,
-                 sinks: torch.Tensor | None = None, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 sinks: torch.Tensor | None = None, k_pool: torch.Tensor | KVPool, v_pool: torch.Tensor | KVPool,
                  router: torch.Tensor | None = None, router_bias: torch.Tensor | None = None):
         if not native.AVAILABLE:
             raise RuntimeError(f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
@@ -122,24 +122,29 @@ class AttentionFront:
                  _f32(sinks, (H,), "sinks"), _f32(router, (self.num_experts, D), "router"),
                  _f32(router_bias, (self.num_experts,), "router bias")]
         keep.extend(norms)
-        for pool, dim, what in ((k_pool, Dk, "key"), (v_pool, Dv, "value")):
-            if pool.dim() != 3 or pool.shape[0] != G or pool.shape[2] != dim or pool.dtype not in _KV_TYPES \
-                    or pool.device.type != "cpu" or not pool.is_contiguous():
+        k_pool, v_pool = (p if isinstance(p, KVPool) else KVPool(p) for p in (k_pool, v_pool))
+        for kv, dim, what in ((k_pool, Dk, "key"), (v_pool, Dv, "value")):
+            kv.check(f"attention front: the {what}")
+            pool = kv.values
+            if pool.dim() != 3 or pool.shape[0] != G or pool.shape[2] != dim or not pool.is_contiguous():
                 raise ValueError(f"attention front: the {what} pool must be a contiguous CPU [{G}, slots, {dim}] "
-                                 f"float32/bfloat16 tensor, got {tuple(pool.shape)} {pool.dtype}")
-        if (k_pool.dtype, k_pool.shape[1]) != (v_pool.dtype, v_pool.shape[1]):
-            raise ValueError("attention front: key and value pools differ in dtype or slots")
+                                 f"tensor, got {tuple(pool.shape)} {pool.dtype}")
+        if (k_pool.kv_type, k_pool.values.shape[1]) != (v_pool.kv_type, v_pool.values.shape[1]):
+            raise ValueError("attention front: key and value pools differ in format or slots")
         keep.extend((k_pool, v_pool))
-        self.num_slots = k_pool.shape[1]
+        self.num_slots = k_pool.values.shape[1]
+        (k_scales, k_scale_row, k_scale_head), (v_scales, v_scale_row, v_scale_head) = (
+            k_pool.scale_strides(), v_pool.scale_strides())
         self._keep = keep
         qb, kb, vb, ob = biases
         self._struct = _AttnLayer(
             D, H, G, Dk, Dv, eps, _ptr(norms[0]), _ptr(norms[1]),
             lin(q, H * Dk, D, qb, "q"), lin(k, G * Dk, D, kb, "k"), lin(v, G * Dv, D, vb, "v"),
             lin(o, D, H * Dv, ob, "output"), int(qk_norm), _ptr(norms[2]), _ptr(norms[3]), rope_dims,
-            int(rope_interleaved), scale, window, _ptr(norms[4]), k_pool.data_ptr(), v_pool.data_ptr(),
-            k_pool.stride(1), k_pool.stride(0), v_pool.stride(1), v_pool.stride(0), _KV_TYPES[k_pool.dtype],
-            _ptr(norms[5]), _ptr(norms[6]), self.num_experts)
+            int(rope_interleaved), scale, window, _ptr(norms[4]), k_pool.values.data_ptr(), v_pool.values.data_ptr(),
+            k_pool.values.stride(1), k_pool.values.stride(0), v_pool.values.stride(1), v_pool.values.stride(0),
+            k_pool.kv_type, _ptr(norms[5]), _ptr(norms[6]), self.num_experts, k_scales or None, v_scales or None,
+            k_scale_row, k_scale_head, v_scale_row, v_scale_head)
 
     def __call__(self, step: DecodeStep, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x float32 [T, D] (updated in place: + attention) -> (the FFN's normed input [T, D],

@@ -121,7 +121,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_packed_size", L, [I, L, L]),
         ("smk_packed_fast", I, [I]),
         ("smk_repack", I, [I, P, Z, L, L, P]),
-        ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, P, I, P, ctypes.c_float, I, P, P]),
+        ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, L, L, P, L, L, P, P, I, P, ctypes.c_float, I,
+                              P, P]),
+        ("smk_kv_quantize", I, [I, P, L, I, P, P]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res

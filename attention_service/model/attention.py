@@ -37,9 +37,9 @@ NATIVE_VERIFY_ROWS = 16
 
 def use_native_attention(kv: KVCache) -> bool:
     """Whether attention over the cache runs natively (kernels.decode_attention, which takes prompts
-    in tiles): the fast mode's bfloat16 cache on the CPU. The float32 mode keeps the torch path,
-    the exact reference."""
-    return kv.dtype == torch.bfloat16 and kv.as_computed and kv.device.type == "cpu" and native.AVAILABLE
+    in tiles): the fast mode on the CPU, whatever the cache's format (bfloat16, or 8 bits read in
+    place). The float32 mode keeps the torch path, the exact reference."""
+    return kv.dtype == torch.bfloat16 and kv.device.type == "cpu" and native.AVAILABLE
 
 
 def use_native_decode(batch: StepBatch, kv: KVCache) -> bool:
@@ -235,7 +235,7 @@ class MultiHeadAttention:
             return None
         if (w.q_norm is None) != (w.k_norm is None):  # one kind for both in the kernel
             return None
-        c, pools = self.cfg, kv.pools(i)
+        c, pools = self.cfg, kv.native_pools(i)
         return AttentionFront(
             eps=c.norm_eps, attn_norm=attn_norm, ffn_norm=ffn_norm, q=w.q, k=w.k, v=w.v, o=w.out,
             heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, value_dim=c.value_head_dim,
@@ -289,7 +289,7 @@ class MultiHeadAttention:
                                           batch.positions, self.scale, window_tokens=window, chunk_tokens=chunk,
                                           sinks=w.sinks)
         if use_native_attention(kv):
-            pools = kv.pools(i)
+            pools = kv.native_pools(i)
             # A chunked layer's rows attend over their chunk: a context of its own, one per step.
             context = batch.chunked_attention_context(chunk) if chunk else batch.attention_context
             return decode_attention(context, q, pools["k"], pools["v"], self.scale, window_tokens=window, sinks=w.sinks)

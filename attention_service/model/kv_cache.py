@@ -12,8 +12,8 @@ consecutive slots, which is what a sequence's blocks usually are (the block mana
 free blocks in order).
 
 How values are stored is the cache's format (kv_formats.py, `--kv-cache-dtype`): as computed, or
-in 8 bits; `dtype` is what reads return. Kernels that address the pools themselves (`pools`: the
-native and paged attention) read only a cache stored as computed.
+in 8 bits; `dtype` is what reads return. The native attention reads any format in place
+(`native_pools`); the GPU's paged attention (`pools`) only a cache stored as computed.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Mapping
 import torch
 
 from splitmoe.attention_service.model.kv_formats import DenseFormat, KVFormat, check_rows
+from splitmoe.kernels.decode_attention import KVPool
 
 
 class KVCache:
@@ -64,15 +65,20 @@ class KVCache:
             raise RuntimeError(f"a {self.format.name} KV cache is read through read(), not its pools")
         return self._pools[layer]
 
+    def native_pools(self, layer: int) -> dict[str, KVPool]:
+        """The layer's whole pools in their stored format, for the native attention (kernels.decode_attention,
+        kernels.decode_layer), which reads and writes them in place."""
+        return {name: self.format.native(pools) for name, pools in self._stored[layer].items()}
+
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each entry at `slots` [C] as [C, *shape]: a view of the pool when the slots run
         consecutively (do not write to it), else a gathered copy."""
         return {name: t.movedim(self._slot_dims[name], 0) for name, t in self.read_pooled(layer, slots).items()}
 
-    def read_pooled(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`read` in the pool's layout: an entry of shape [G, D] comes as [G, C, D]."""
+    def read_pooled(self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """`read` in the pool's layout: an entry of shape [G, D] comes as [G, C, D] (in `dtype`, default the cache's)."""
         start = self._run_start(slots)  # as computed and consecutive: views of the pool, no copy
-        return {name: self.format.read(pools, self._slot_dims[name], slots, start, self.dtype)
+        return {name: self.format.read(pools, self._slot_dims[name], slots, start, dtype or self.dtype)
                 for name, pools in self._stored[layer].items()}
 
     def _run_start(self, slots: torch.Tensor) -> int | None:

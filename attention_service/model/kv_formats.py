@@ -9,8 +9,9 @@
 - `q8_0`: llama.cpp's block format along each row: 32 values as int8 with one float16 scale
   (amax / 127), 34 bytes per 32 values; a row must be whole blocks, as llama.cpp requires.
 
-A format quantizes what is written and dequantizes only what a step reads (a sequence's context
-slots), never the whole pool. The pools keep the cache's layout (slots second to last); a q8_0
+A format quantizes what is written. The native attention (kernels/decode_attention.py) reads every
+format where it is stored (`native`), converting in registers; the torch path dequantizes only what
+a step reads (a sequence's context slots), never the whole pool. The pools keep the cache's layout (slots second to last); a q8_0
 entry has a second pool of scales, [..., slots, row / 32].
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import abc
 
 import torch
+
+from splitmoe.kernels.decode_attention import KVPool
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "q8_0")
 Q8_0_BLOCK = 32
@@ -33,6 +36,10 @@ class KVFormat(abc.ABC):
         """Whether values are stored exactly as computed in `dtype`: then kernels that address the
         pools themselves (native and paged attention) can read them."""
         return False
+
+    @abc.abstractmethod
+    def native(self, pools: tuple[torch.Tensor, ...]) -> KVPool:
+        """One entry's pools as the native attention reads them in place."""
 
     @abc.abstractmethod
     def allocate(self, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -64,6 +71,9 @@ class DenseFormat(KVFormat):
     def allocate(self, shape, device):
         return (torch.zeros(shape, dtype=self.dtype, device=device),)
 
+    def native(self, pools):
+        return KVPool(pools[0])
+
     def write(self, pools, dim, slots, value):
         pools[0].index_copy_(dim, slots, value.to(self.dtype))
 
@@ -82,6 +92,9 @@ class FP8Format(KVFormat):
         # stored as bytes: index_copy_ and index_select need no float8 kernels that way
         return (torch.zeros(shape, dtype=torch.uint8, device=device),)
 
+    def native(self, pools):
+        return KVPool(pools[0].view(self.dtype))
+
     def write(self, pools, dim, slots, value):
         fp8 = value.float().clamp(-self.max_value, self.max_value).to(self.dtype)
         pools[0].index_copy_(dim, slots, fp8.view(torch.uint8))
@@ -98,6 +111,9 @@ class Q8_0Format(KVFormat):
         *lead, row = shape
         return (torch.zeros(shape, dtype=torch.int8, device=device),
                 torch.zeros((*lead, row // Q8_0_BLOCK), dtype=torch.float16, device=device))
+
+    def native(self, pools):
+        return KVPool(pools[0], pools[1])
 
     def write(self, pools, dim, slots, value):
         q, scales = quantize_q8_0(value)

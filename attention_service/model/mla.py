@@ -151,7 +151,7 @@ class MultiLatentAttention:
                                                 c.kv_lora_rank)
             return linear(per_head(out, w.v_b).flatten(1), w.out)
         if use_native_attention(kv):  # prompts too, in tiles, as the other attention kinds
-            out = decode_attention(batch.attention_context, q, kv.pools(i)[LATENT_ENTRY], None, self.scale,
+            out = decode_attention(batch.attention_context, q, kv.native_pools(i)[LATENT_ENTRY], None, self.scale,
                                    value_dims=c.kv_lora_rank).to(q.dtype)
             return linear(per_head(out, w.v_b).flatten(1), w.out)
         out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_quant.h"
 #include "smk.h"
 
 namespace smk {
@@ -32,6 +33,10 @@ struct V {
         std::memcpy(&f, &bits, 4);
         return f;
     }
+    static vf load_i8(const int8_t* p) { return float(*p); }
+    static vf load_e4m3(const uint8_t* p) { return fp8_e4m3_to_f32(*p); }
+    static vf load_e5m2(const uint8_t* p) { return fp8_e5m2_to_f32(*p); }
+    static float half(uint16_t h) { return fp16_to_f32(h); }
     static void store(float* p, vf v) { *p = v; }
     static vf add(vf a, vf b) { return a + b; }
     static vf sub(vf a, vf b) { return a - b; }
@@ -95,19 +100,28 @@ void unit_job(void* p, int) {
 //   seqs[4 * s .. 4 * s + 3] = first query row, query rows, offset of its slots in `slots`, context length
 //   q_index[t]: the context index of row t's own token (it sees indices <= q_index[t])
 //   window > 0: row t sees only indices > q_index[t] - window; sinks: [H] or null
-// kv_type: 0 (float32) or 30 (bfloat16). Returns 0, or a negative error code.
+// kv_type: 0 (float32), 30 (bfloat16), 8 (q8_0: int8 values, and float16 scales [..., slots, D / 32]
+// given by pointer and strides in scales), kKvFp8E4M3 or kKvFp8E5M2. Returns 0, or a negative error code.
 SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
                           const void* k, int64_t k_row_stride, int64_t k_head_stride,
                           const void* v, int64_t v_row_stride, int64_t v_head_stride, int kv_type,
+                          const uint16_t* k_scales, int64_t k_scale_row, int64_t k_scale_head,
+                          const uint16_t* v_scales, int64_t v_scale_row, int64_t v_scale_head,
                           const int64_t* slots, const int64_t* seqs, int n_seqs, const int64_t* q_index,
                           float scale, int window, const float* sinks, float* out) {
     if (T < 0 || H <= 0 || G <= 0 || H % G || Dk <= 0 || Dv <= 0 || n_seqs < 0) return -2;
-    if (kv_type != T_F32 && kv_type != T_BF16) return -1;
+    const int eb = kv_elem_bytes(kv_type);
+    if (eb == 0) return -1;
+    if (kv_type == T_Q8_0 && (!k_scales || !v_scales || Dk % kQ8Block || Dv % kQ8Block)) return -1;
     AttnArgs a;
     a.q = q; a.T = T; a.H = H; a.G = G; a.R = H / G; a.Dk = Dk; a.Dv = Dv;
     a.k = k; a.k_row_stride = k_row_stride; a.k_head_stride = k_head_stride;
     a.v = v; a.v_row_stride = v_row_stride; a.v_head_stride = v_head_stride;
-    a.elem_bytes = kv_type == T_F32 ? 4 : 2;
+    a.kv_type = kv_type;
+    a.elem_bytes = eb;
+    const bool q8 = kv_type == T_Q8_0;
+    a.k_scales = q8 ? k_scales : nullptr; a.k_scale_row = k_scale_row; a.k_scale_head = k_scale_head;
+    a.v_scales = q8 ? v_scales : nullptr; a.v_scale_row = v_scale_row; a.v_scale_head = v_scale_head;
     a.slots = slots;
     a.scale = scale;
     const int R = a.R;
@@ -204,5 +218,17 @@ SMK_API int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv,
             for (int d = 0; d < Dv; ++d) o[d] *= inv;
         }
     }
+    return 0;
+}
+
+// n rows of dim float32 values (contiguous) into the KV cache format kv_type as the native decode
+// layer writes them (kv_quant.h): values at dst (row i at dst + i * dim values), q8_0's scales at
+// scales (row i at scales + i * dim / 32). For tests: the same bits as kv_formats.py's torch writes.
+SMK_API int smk_kv_quantize(int kv_type, const float* x, int64_t n, int dim, void* dst, uint16_t* scales) {
+    const int eb = kv_elem_bytes(kv_type);
+    if (eb == 0 || n < 0 || dim <= 0 || (kv_type == T_Q8_0 && (dim % kQ8Block || !scales))) return -1;
+    for (int64_t i = 0; i < n; ++i)
+        kv_store_row(kv_type, x + size_t(i) * dim, dim, static_cast<uint8_t*>(dst) + size_t(i) * dim * eb,
+                     kv_type == T_Q8_0 ? scales + size_t(i) * (dim / kQ8Block) : nullptr);
     return 0;
 }

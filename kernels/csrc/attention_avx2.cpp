@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kv_quant.h"
 #include "smk.h"
 
 #if defined(__clang__)
@@ -27,6 +28,21 @@ struct V {
         const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
+    static vf load_i8(const int8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    }
+    // fp8 bytes widened to halves (attention_avx512.cpp says how)
+    static vf load_e5m2(const uint8_t* p) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+    }
+    static vf load_e4m3(const uint8_t* p) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+    }
+    static float half(uint16_t h) { return _cvtsh_ss(h); }
     static void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
     static vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
     static vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }

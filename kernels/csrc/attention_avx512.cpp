@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kv_quant.h"
 #include "smk.h"
 
 #if defined(__clang__)
@@ -27,6 +28,22 @@ struct V {
         const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
+    static vf load_i8(const int8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+    // fp8 bytes widened to halves: e5m2 is a half's top byte; e4m3's bits, placed under a half's
+    // 5-bit exponent, are its value times 2^-8
+    static vf load_e5m2(const uint8_t* p) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    }
+    static vf load_e4m3(const uint8_t* p) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+    }
+    static float half(uint16_t h) { return _cvtsh_ss(h); }
     static void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
     static vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
     static vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }

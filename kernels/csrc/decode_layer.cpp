@@ -16,13 +16,16 @@
 #include <cmath>
 #include <cstring>
 
+#include "kv_quant.h"
 #include "smk.h"
 
 extern "C" int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
                                 const int* ns, int k, const float* x, size_t xstride, int m, float* out, size_t ostride);
 extern "C" int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv, const void* k, int64_t k_row_stride,
                              int64_t k_head_stride, const void* v, int64_t v_row_stride, int64_t v_head_stride,
-                             int kv_type, const int64_t* slots, const int64_t* seqs, int n_seqs, const int64_t* q_index,
+                             int kv_type, const uint16_t* k_scales, int64_t k_scale_row, int64_t k_scale_head,
+                             const uint16_t* v_scales, int64_t v_scale_row, int64_t v_scale_head,
+                             const int64_t* slots, const int64_t* seqs, int n_seqs, const int64_t* q_index,
                              float scale, int window, const float* sinks, float* out);
 
 using namespace smk;
@@ -50,10 +53,13 @@ struct SmkAttnLayer {
     void* k_pool;            // [G, slots, Dk]
     void* v_pool;            // [G, slots, Dv]
     int64_t k_row, k_head, v_row, v_head;  // strides in elements
-    int32_t kv_type;         // 0 float32, 30 bfloat16
+    int32_t kv_type;         // 0 float32, 30 bfloat16, 8 q8_0, kKvFp8E4M3, kKvFp8E5M2 (kv_quant.h)
     const float* router;     // [E, D] float32, or null (a dense FFN layer)
     const float* router_bias;
     int32_t E;
+    uint16_t* k_scales;      // q8_0: float16 scales [G, slots, Dk / 32] (v: [G, slots, Dv / 32]); else null
+    uint16_t* v_scales;
+    int64_t k_scale_row, k_scale_head, v_scale_row, v_scale_head;  // strides in elements
 };
 
 struct SmkDecodeStep {  // what every layer of one step shares
@@ -96,17 +102,13 @@ void rope_heads(float* x, int heads, int head_dim, int dims, bool interleaved, c
     }
 }
 
-void write_kv(void* pool, int kv_type, int64_t row_stride, int64_t head_stride, int64_t slot, const float* src,
-              int heads, int dim) {
+void write_kv(void* pool, int kv_type, int64_t row_stride, int64_t head_stride, uint16_t* scales, int64_t scale_row,
+              int64_t scale_head, int64_t slot, const float* src, int heads, int dim) {
+    const int eb = kv_elem_bytes(kv_type);
     for (int g = 0; g < heads; ++g) {
-        const float* s = src + size_t(g) * dim;
         const int64_t at = g * head_stride + slot * row_stride;
-        if (kv_type == T_F32) {
-            std::memcpy(static_cast<float*>(pool) + at, s, sizeof(float) * size_t(dim));
-        } else {
-            uint16_t* d = static_cast<uint16_t*>(pool) + at;
-            for (int i = 0; i < dim; ++i) d[i] = f32_to_bf16(s[i]);
-        }
+        kv_store_row(kv_type, src + size_t(g) * dim, dim, static_cast<uint8_t*>(pool) + size_t(at) * eb,
+                     scales ? scales + g * scale_head + slot * scale_row : nullptr);
     }
 }
 
@@ -139,6 +141,7 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
     if (T <= 0 || D <= 0 || H <= 0 || G <= 0 || H % G || Dk <= 0 || Dv <= 0 || L->rope_dims > Dk ||
         L->rope_dims % 2 || L->rope_dims > 1024)
         return -2;
+    if (kv_elem_bytes(L->kv_type) == 0 || (L->kv_type == T_Q8_0 && (!L->k_scales || !L->v_scales))) return -1;
     const int nq = H * Dk, nk = G * Dk, nv = G * Dv, nqkv = nq + nk + nv;
     // scratch: normed input [T, D], q|k|v [T, nqkv], attention output [T, H*Dv], the queries
     // [T, H*Dk] as attention reads them; slot 7: this function's own (its callees use 0-6)
@@ -180,12 +183,15 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
             rope_heads(q, H, Dk, L->rope_dims, L->rope_interleaved, cs, sn);
             rope_heads(k, G, Dk, L->rope_dims, L->rope_interleaved, cs, sn);
         }
-        write_kv(L->k_pool, L->kv_type, L->k_row, L->k_head, S->new_slots[t], k, G, Dk);
-        write_kv(L->v_pool, L->kv_type, L->v_row, L->v_head, S->new_slots[t], v, G, Dv);
+        write_kv(L->k_pool, L->kv_type, L->k_row, L->k_head, L->k_scales, L->k_scale_row, L->k_scale_head,
+                 S->new_slots[t], k, G, Dk);
+        write_kv(L->v_pool, L->kv_type, L->v_row, L->v_head, L->v_scales, L->v_scale_row, L->v_scale_head,
+                 S->new_slots[t], v, G, Dv);
     }
     for (int t = 0; t < T; ++t) std::memcpy(qrows + size_t(t) * nq, qkv + size_t(t) * nqkv, sizeof(float) * nq);
     int rc = smk_attention(qrows, T, H, G, Dk, Dv, L->k_pool, L->k_row, L->k_head, L->v_pool, L->v_row,
-                           L->v_head, L->kv_type, S->slots, S->seqs, S->n_seqs, S->q_index, L->scale, L->window,
+                           L->v_head, L->kv_type, L->k_scales, L->k_scale_row, L->k_scale_head, L->v_scales,
+                           L->v_scale_row, L->v_scale_head, S->slots, S->seqs, S->n_seqs, S->q_index, L->scale, L->window,
                            L->sinks, att);
     if (rc) return rc;
     {  // x += att @ Wo^T (+ bias): the product into hn's space (free now), then the add

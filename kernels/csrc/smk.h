@@ -91,6 +91,8 @@ typedef void (*QuantizeFn)(const float* x, size_t xstride, int n, int k, uint8_t
 // One call's shapes and KV cache: queries [T, H, Dk] float32, head h = g * R + r for kv head g;
 // key row of context slot s and kv head g at k + (g * k_head_stride + s * k_row_stride) elements
 // (values likewise; MLA passes the key pool again with Dv < Dk: its latent is also its value).
+// The KV cache's fp8 formats (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`): no GGML type has these ids.
+constexpr int kKvFp8E4M3 = 240, kKvFp8E5M2 = 241;
 struct AttnArgs {
     const float* q;
     int T, H, G, R, Dk, Dv;
@@ -98,7 +100,14 @@ struct AttnArgs {
     int64_t k_row_stride, k_head_stride;
     const void* v;
     int64_t v_row_stride, v_head_stride;
-    int elem_bytes;        // 4: float32 cache, 2: bfloat16 cache
+    int kv_type;           // T_F32, T_BF16, T_Q8_0 (int8 values, float16 scales below), kKvFp8E4M3/E5M2
+    int elem_bytes;        // bytes a value: 4, 2 or 1
+    // q8_0 only: the float16 scale of each 32 values; the scales of row (slot s, kv head g) at
+    // k_scales + g * k_scale_head + s * k_scale_row (values likewise)
+    const uint16_t* k_scales;
+    int64_t k_scale_row, k_scale_head;
+    const uint16_t* v_scales;
+    int64_t v_scale_row, v_scale_head;
     const int64_t* slots;  // every sequence's context slots, concatenated
     float scale;
 };

@@ -4,9 +4,10 @@ Shapes of the served families: grouped-query ratios 1 (OLMoE, Qwen2-MoE), 4 (Mix
 gpt-oss), head dims 64 and 128 and an odd 80 (SIMD tails), MLA's one latent head (576 keys, 512
 values), sliding windows, sinks; one query token and several, contexts from 1 token to past the
 length at which a context is split across threads; prompts of 9 to 200 rows (the tiled kernel),
-alone and beside decode rows; scattered slots; float32 and bfloat16 caches.
-The reference reads the same cache values (bfloat16 converts exactly), so only float32 rounding
-of the kernel remains.
+alone and beside decode rows; scattered slots; float32 and bfloat16 caches, and the 8-bit ones
+(`--kv-cache-dtype` fp8_e4m3, fp8_e5m2, q8_0) read in place.
+The reference reads the same cache values (bfloat16, fp8 and q8_0 dequantize exactly), so only
+float32 rounding of the kernel remains.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import functools
 import pytest
 import torch
 
+from splitmoe.attention_service.model.kv_formats import dequantize_q8_0, quantize_q8_0
 from splitmoe.kernels import native
-from splitmoe.kernels.decode_attention import AttentionContext, decode_attention
+from splitmoe.kernels.decode_attention import AttentionContext, KVPool, decode_attention
 from tests.kernels.test_native import ISAS
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
@@ -158,3 +160,109 @@ def test_bad_calls_are_refused_not_read_out_of_bounds():
         AttentionContext.build([(0, 3, torch.arange(2))])
     with pytest.raises(ValueError, match="negative"):
         AttentionContext.build([(0, 1, torch.tensor([-1]))])
+
+
+# ---- the 8-bit caches, read in place ---------------------------------------------------------------
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def stored(pool: torch.Tensor, fmt: str) -> tuple[KVPool, torch.Tensor]:
+    """(the pool as the cache stores it in `fmt`, the float32 values it holds)."""
+    if fmt == "q8_0":
+        q, d = quantize_q8_0(pool)
+        return KVPool(q, d), dequantize_q8_0(q, d)
+    f8 = pool.float().clamp(-torch.finfo(FP8[fmt]).max, torch.finfo(FP8[fmt]).max).to(FP8[fmt])
+    return KVPool(f8), f8.float()
+
+
+EIGHT_BIT_CASES = [c for c in CASES if c[2] % 32 == 0 and c[3] % 32 == 0]  # q8_0 rows are whole blocks
+
+
+@functools.lru_cache(maxsize=None)
+def eight_bit_case(fmt, H, G, Dk, Dv, lengths, n_new, window, sinks):
+    gen = torch.Generator().manual_seed(H * 1000 + sum(lengths) + n_new + 7)
+    q, k_pool, v_pool, rows = make_case(gen, H, G, Dk, Dv, lengths, n_new, sum(lengths) + 16, torch.float32,
+                                        scatter=True)
+    (k8, kf), (v8, vf) = stored(k_pool * 3, fmt), stored(v_pool, fmt)  # keys of a few units, as after rope
+    s = torch.randn(H, generator=gen) * 2 if sinks else None
+    return q, k8, v8, rows, s, reference(q, kf, vf, rows, 0.088, window, s, None)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("H,G,Dk,Dv,lengths,n_new,window,sinks", EIGHT_BIT_CASES)
+def test_eight_bit_cache_is_read_in_place(isa, fmt, H, G, Dk, Dv, lengths, n_new, window, sinks):
+    """Decode units and prompt tiles convert the stored bytes in registers: the result is attention
+    over exactly the values the cache holds."""
+    q, k8, v8, rows, s, want = eight_bit_case(fmt, H, G, Dk, Dv, tuple(lengths), n_new, window, sinks)
+    got = decode_attention(AttentionContext.build(rows), q, k8, v8, 0.088, window_tokens=window, sinks=s)
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_odd_head_dims_take_the_tails(isa, fmt):
+    gen = torch.Generator().manual_seed(11)
+    q, k_pool, v_pool, rows = make_case(gen, 8, 2, 80, 48, [33, 600], 30, 650, torch.float32, scatter=True)
+    (k8, kf), (v8, vf) = stored(k_pool, fmt), stored(v_pool, fmt)
+    want = reference(q, kf, vf, rows, 0.1, 17, None, None)
+    got = decode_attention(AttentionContext.build(rows), q, k8, v8, 0.1, window_tokens=17)
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("lengths", [(60,), (2500, 3)], ids=["60", "2500+3"])
+def test_mla_latent_in_eight_bits(isa, fmt, lengths):
+    H, L, R = 16, 512, 64
+    gen = torch.Generator().manual_seed(sum(lengths) + 3)
+    q, k_pool, _, rows = make_case(gen, H, 1, L + R, L, lengths, 1, sum(lengths) + 5, torch.float32,
+                                   scatter=False, mla=True)
+    k8, kf = stored(k_pool, fmt)
+    want = reference(q, kf, None, rows, 0.05, 0, None, L)
+    got = decode_attention(AttentionContext.build(rows), q, k8, None, 0.05, value_dims=L)
+    assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+def test_eight_bit_pools_are_checked():
+    gen = torch.Generator().manual_seed(12)
+    q, k_pool, v_pool, rows = make_case(gen, 8, 2, 64, 64, [10], 1, 10, torch.float32, scatter=False)
+    ctx = AttentionContext.build(rows)
+    (k8, _), (v8, _) = stored(k_pool, "q8_0"), stored(v_pool, "q8_0")
+    with pytest.raises(ValueError, match="scales must be float16"):
+        decode_attention(ctx, q, KVPool(k8.values, k8.scales.float()), v8, 0.1)
+    with pytest.raises(ValueError, match="int8 with scales"):
+        decode_attention(ctx, q, k8.values, v8, 0.1)  # int8 without its scales
+    with pytest.raises(ValueError, match="differ"):
+        decode_attention(ctx, q, k8, stored(v_pool, "fp8_e4m3")[0], 0.1)
+
+
+def _native_quantize(fmt: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kv_type = {"q8_0": 8, "fp8_e4m3": 240, "fp8_e5m2": 241}[fmt]
+    n, dim = x.shape
+    values = torch.empty(n, dim, dtype=torch.int8 if fmt == "q8_0" else torch.uint8)
+    scales = torch.empty(n, dim // 32, dtype=torch.float16) if fmt == "q8_0" else None
+    rc = native._lib.smk_kv_quantize(kv_type, x.data_ptr(), n, dim, values.data_ptr(),
+                                     None if scales is None else scales.data_ptr())
+    assert rc == 0
+    return values, scales
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "fp8_e5m2"])
+def test_native_writes_give_torchs_bits(fmt):
+    """The native decode layer writes each new token's keys and values itself (kv_quant.h); the
+    bytes are those kv_formats.py's torch writes give a prompt's tokens, ties, subnormals and
+    clamped values included."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.cat([
+        torch.randn(64, 128, generator=gen) * 4,
+        torch.randn(16, 128, generator=gen) * 1e-3,  # fp8 subnormals
+        torch.randn(8, 128, generator=gen) * 1e3,  # e4m3 clamps at 448
+        torch.randint(-64, 64, (16, 128), generator=gen).float() / 16,  # exact halves: rounding ties
+        torch.zeros(1, 128),  # a zero q8_0 block: scale 0
+    ])
+    values, scales = _native_quantize(fmt, x)
+    if fmt == "q8_0":
+        q, d = quantize_q8_0(x)
+        assert torch.equal(values, q) and torch.equal(scales.view(torch.int16), d.view(torch.int16))
+    else:
+        f8 = x.clamp(-torch.finfo(FP8[fmt]).max, torch.finfo(FP8[fmt]).max).to(FP8[fmt])
+        assert torch.equal(values, f8.view(torch.uint8))

@@ -20,11 +20,13 @@ import torch
 import splitmoe.attention_service.model.attention as attention_module
 import splitmoe.attention_service.model.mla as mla_module
 from splitmoe.attention_service.model.attention import grouped_attention
+from splitmoe.attention_service.model.kv_formats import dequantize_q8_0
 from splitmoe.attention_service.model.mla import latent_attention
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.transformer import MoETransformer
 from splitmoe.kernels import native
+from splitmoe.kernels.decode_attention import KVPool
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason=f"native kernels: {native.UNAVAILABLE_REASON}")
 
@@ -36,7 +38,15 @@ FIXTURES = ["gptoss/gptoss-q8_0.gguf",  # sinks, a 32-token sliding window on ev
             "llama4/llama4-q8_0.gguf"]  # chunked layers (chunks beyond the prompt) and a NoPE one
 
 
+def stored_values(p: KVPool) -> torch.Tensor:
+    """What a pool holds, exactly: bfloat16 as is, fp8 and q8_0 dequantized to float32."""
+    if p.scales is not None:
+        return dequantize_q8_0(p.values, p.scales)
+    return p.values if p.values.dtype == torch.bfloat16 else p.values.float()
+
+
 def torch_reference(ctx, q, k, v, scale, window_tokens=0, sinks=None, value_dims=None):
+    k, v = (stored_values(p) if isinstance(p, KVPool) else p for p in (k, v))
     outs = []
     for start, n, offset, length in ctx.seqs.tolist():
         slots = ctx.slots[offset:offset + length]
@@ -67,9 +77,10 @@ def checked_decode(monkeypatch) -> list[int]:
     return checked
 
 
-def decode(path, ids, batch: int = 2, chunk: int = 36) -> None:
+def decode(path, ids, batch: int = 2, chunk: int = 36, kv_cache_dtype: str = "auto") -> None:
     r = ModelRunner.from_gguf(path, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
-                                                  kv_cache_tokens=512, kv_block_tokens=4))
+                                                  kv_cache_tokens=512, kv_block_tokens=4,
+                                                  kv_cache_dtype=kv_cache_dtype))
     seqs = [Sequence(i, ids[i:]) for i in range(batch)]  # different lengths, interleaved blocks
     first = min(chunk, len(ids) - batch - 4)
     r.step(seqs, [first] * batch)  # a prompt chunk: tiles (past gpt-oss's 32-token window on the fixture)
@@ -90,4 +101,15 @@ def test_llama_cpp_fixtures(fixtures_dir, model, monkeypatch):
     assert len(ids) > 40  # past gpt-oss's 32-token window
     checked = checked_decode(monkeypatch)
     decode(fixtures_dir / model, ids)
+    assert checked
+
+
+@pytest.mark.parametrize("model,kv_cache_dtype", [("gptoss/gptoss-q8_0.gguf", "q8_0"),
+                                                  ("mixtral/mixtral-q8_0.gguf", "fp8_e5m2"),
+                                                  ("deepseek3/deepseek3-q4_k_m.gguf", "fp8_e4m3")])  # MLA's latent
+def test_eight_bit_caches(fixtures_dir, model, kv_cache_dtype, monkeypatch):
+    """Prompt tiles and decode rows read the 8-bit cache in place: attention over exactly what it holds."""
+    ids = json.loads((fixtures_dir / "prompts.json").read_text())["prompts"][1]["ids"]
+    checked = checked_decode(monkeypatch)
+    decode(fixtures_dir / model, ids, kv_cache_dtype=kv_cache_dtype)
     assert checked

@@ -5,7 +5,8 @@ One decode step of two sequences over a real paged cache (prefilled by the torch
 first and last layer, both the native front and the torch path it replaces compute the step from
 the same residual input and cache. The reference recomputes the layer in float64 from the exactly
 dequantized weights: norms, q/k/v with biases, q/k norm, rope (the model's own cos/sin tables),
-the new keys and values rounded to the cache's bfloat16 as both paths store them, attention over
+the new keys and values rounded to the cache's format as both paths store them (bfloat16, or the
+8-bit formats the native front quantizes itself), attention over
 the cached context (sliding window, sinks), output projection, residual, the FFN norm and the
 router. The native front must be within the int8-activation distance of it, and no further than
 the torch path is.
@@ -45,7 +46,14 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
-def reference(model, i: int, x: torch.Tensor, batch, pools_before: dict) -> tuple[torch.Tensor, ...]:
+def as_stored(fmt, t: torch.Tensor) -> torch.Tensor:
+    """t [G, n, D] as the cache in format `fmt` gives it back, in float64."""
+    pools, slots = fmt.allocate(tuple(t.shape), torch.device("cpu")), torch.arange(t.shape[1])
+    fmt.write(pools, 1, slots, t.float())
+    return fmt.read(pools, 1, slots, None, torch.float64)
+
+
+def reference(model, i: int, x: torch.Tensor, batch, before: dict, fmt) -> tuple[torch.Tensor, ...]:
     """(x after attention, the FFN's normed input, router logits) of layer i, in float64."""
     c, att, layer = model.cfg, model.attention, model.weights.layers[i]
     w, eps = layer.attn, c.norm_eps
@@ -71,9 +79,9 @@ def reference(model, i: int, x: torch.Tensor, batch, pools_before: dict) -> tupl
         return torch.cat((rot * cos + swapped * sin, t[..., d:]), -1)
 
     q, k = rope(q), rope(k)
-    kc, vc = pools_before["k"].double().clone(), pools_before["v"].double().clone()  # [G, slots, D]
-    kc[:, batch.new_slots] = k.to(pools_before["k"].dtype).double().transpose(0, 1)
-    vc[:, batch.new_slots] = v.to(pools_before["v"].dtype).double().transpose(0, 1)
+    kc, vc = before["k"].clone(), before["v"].clone()  # [G, slots, D] float64, as stored
+    kc[:, batch.new_slots] = as_stored(fmt, k.transpose(0, 1))
+    vc[:, batch.new_slots] = as_stored(fmt, v.transpose(0, 1))
     window = att.window_tokens(i)
     out = torch.zeros(x.shape[0], H, Dv, dtype=torch.float64)
     for s in batch.seqs:
@@ -99,9 +107,10 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
-def check(path) -> None:
+def check(path, kv_cache_dtype: str = "auto") -> None:
     r = ModelRunner.from_gguf(path, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
-                                                  kv_cache_tokens=256, kv_block_tokens=4))
+                                                  kv_cache_tokens=256, kv_block_tokens=4,
+                                                  kv_cache_dtype=kv_cache_dtype))
     vocab = r.cfg.vocab_size
     seqs = [Sequence(0, [(7 * j + 3) % vocab for j in range(45)]), Sequence(1, [(5 * j + 1) % vocab for j in range(38)])]
     m = r.model
@@ -111,16 +120,18 @@ def check(path) -> None:
         fronts = m._native_fronts(r.kv)
         assert len(fronts) == len(m.weights.layers)
         gen = torch.Generator().manual_seed(0)
+        every_slot = torch.arange(r.kv.num_blocks * r.kv.kv_block_tokens)
         for i in (0, len(m.weights.layers) - 1):
-            layer, pools = m.weights.layers[i], r.kv.pools(i)
+            layer = m.weights.layers[i]
+            stored = [t for p in r.kv.native_pools(i).values() for t in (p.values, p.scales) if t is not None]
+            saved = [t.clone() for t in stored]  # the raw bytes, put back between the two paths
             x = torch.randn(2, r.cfg.hidden_size, generator=gen)
-            before = {name: t.clone() for name, t in pools.items()}
-            want = reference(m, i, x, batch, before)
+            want = reference(m, i, x, batch, r.kv.read_pooled(i, every_slot, torch.float64), r.kv.format)
             fused = x.clone()
             h_fused, logits_fused = fronts[i](m.attention.decode_step(batch), fused)
-            fused_rows = {name: t[:, batch.new_slots].double() for name, t in pools.items()}
-            for name in pools:
-                pools[name].copy_(before[name])
+            fused_rows = r.kv.read_pooled(i, batch.new_slots, torch.float64)
+            for t, s in zip(stored, saved):
+                t.copy_(s)
             torch_x = x + m.attention(i, layer.attn, rms_norm(x, layer.attn_norm, r.cfg.norm_eps).to(m.dtype),
                                       batch, r.kv)
             torch_h = rms_norm(torch_x, layer.ffn_norm, r.cfg.norm_eps)
@@ -132,8 +143,12 @@ def check(path) -> None:
             if want[2] is not None:
                 assert rel(logits_fused, want[2]) <= TOL and rel(logits_fused, want[2]) <= 1.5 * rel(torch_logits, want[2]) + 1e-3
             # what the cache holds for the new tokens: what the torch path writes, to int8 distance
-            for name in pools:
-                assert rel(fused_rows[name], pools[name][:, batch.new_slots].double()) <= TOL
+            # (fp8: the two paths' inputs differ by int8 distance, so a value near a rounding boundary
+            # may land one fp8 step apart: 2^-M relative, at most half the values)
+            torch_rows = r.kv.read_pooled(i, batch.new_slots, torch.float64)
+            rows_tol = {"fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3}.get(r.kv.format.name, TOL)
+            for name, rows in fused_rows.items():
+                assert rel(rows, torch_rows[name]) <= rows_tol
 
 
 def test_demo_model(demo_gguf):
@@ -143,6 +158,13 @@ def test_demo_model(demo_gguf):
 @pytest.mark.parametrize("model", FIXTURES)
 def test_llama_cpp_fixtures(fixtures_dir, model):
     check(fixtures_dir / model)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["q8_0", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("model", ["qwen3moe/qwen3moe-q8_0.gguf", "gptoss/gptoss-q8_0.gguf"])
+def test_eight_bit_caches(fixtures_dir, model, kv_cache_dtype):
+    """The front quantizes the new keys and values into the 8-bit cache itself and reads it in place."""
+    check(fixtures_dir / model, kv_cache_dtype)
 
 
 def test_declined_for_layernorm_and_clamped_qkv(fixtures_dir):
