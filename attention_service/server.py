@@ -29,6 +29,7 @@ from splitmoe.attention_service.engine.scheduler import QueueFull
 from splitmoe.attention_service.engine.tool_calls import ToolCalling, string_parameters
 from splitmoe.attention_service.expert_backends.backend import ExpertBackend
 from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable
+from splitmoe.attention_service.lora_adapters import LoraLimit, UnknownLora
 from splitmoe.attention_service.model.runner import dtype_name
 from splitmoe.attention_service.service import ServingModel, classify_error, load_serving_model
 from splitmoe.attention_service.settings import AttentionSettings
@@ -250,7 +251,7 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
             gen_request = model.new_request(request_id, ids, options, functools.partial(self._mailbox.post, outputs),
                                             chat=request.WhichOneof("prompt") == "chat",
                                             reasoning_inline=request.reasoning_inline, grammar=grammar,
-                                            tool_calling=tool_calling(request))
+                                            tool_calling=tool_calling(request), lora_name=request.lora_name)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         gen_request.trace_context = trace.get_current_span().get_span_context()
@@ -287,10 +288,14 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         ids = await self._prompt_ids(model, request, context)
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        try:
+            lora = model.lora(request.lora_name)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         parent = extract_grpc_context(context.invocation_metadata())
         with _tracer.start_as_current_span("attention.score", context=parent):
             try:
-                result = await asyncio.wrap_future(model.engine.score(ids, request.top_logprobs))
+                result = await asyncio.wrap_future(model.engine.score(ids, request.top_logprobs, lora))
             except Exception as e:  # noqa: BLE001 - surfaced to the client as a status
                 await context.abort(_ERROR_CODES[classify_error(e)], str(e))
         tokens = []
@@ -319,9 +324,32 @@ class AttentionServicer(attention_pb2_grpc.AttentionServiceServicer):
         m = self.model
         if m is None:
             return pb.ModelInfoResponse(ready=False)
+        adapters = m.adapters.listed() if m.adapters else []
         return pb.ModelInfoResponse(model_id=m.model_id, arch=m.runner.cfg.arch,
                                     context_tokens=m.max_context_tokens, vocab_size=m.vocab_size, ready=True,
-                                    dtype=dtype_name(m.runner.options.dtype), device=str(m.runner.options.device))
+                                    dtype=dtype_name(m.runner.options.dtype), device=str(m.runner.options.device),
+                                    lora_adapters=[pb.LoraAdapterInfo(name=a.name, path=a.path, rank=a.rank)
+                                                   for a in adapters])
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoraAdapterResponse:
+        """vLLM's /v1/load_lora_adapter: read and check the file (off the event loop), then serve it."""
+        m = await self._ready(context)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._prompts, m.adapters.load, request.lora_name,
+                                                             request.lora_path)
+        except LoraLimit as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.LoraAdapterResponse(message=f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.LoraAdapterResponse:
+        m = await self._ready(context)
+        try:
+            m.adapters.unload(request.lora_name)
+        except UnknownLora as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return pb.LoraAdapterResponse(message=f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     async def Rebalance(self, request: pb.RebalanceRequest, context) -> pb.RebalanceResponse:
         m = await self._ready(context)

@@ -24,6 +24,8 @@ from splitmoe.attention_service.expert_backends.device_experts import DeviceExpe
 from splitmoe.attention_service.expert_backends.gpu_hot import GpuHotExperts, choose_gpu_experts
 from splitmoe.attention_service.expert_backends.heat import load_heat
 from splitmoe.attention_service.expert_backends.remote import ExpertsUnavailable, RemoteExperts
+from splitmoe.attention_service.lora_adapters import LoraAdapters, UnknownLora
+from splitmoe.attention_service.model.lora import AdapterWeights
 from splitmoe.attention_service.model.runner import ModelRunner, check_experts_per_token, dtype_name
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.settings import AttentionSettings
@@ -63,6 +65,7 @@ class ServingModel:
     reasoning: ReasoningFormat | None = None  # from the vocabulary; found even when settings say none
     tool_format: ToolFormat | None = None  # the model's call syntax (None: --tool-call-parser none)
     grammars: GrammarCompiler | None = None  # structured outputs: the vocabulary as the grammar engine's
+    adapters: LoraAdapters | None = None  # LoRA adapters served beside the base (lora_adapters.py)
 
     def __post_init__(self):
         self._seq_ids = itertools.count()
@@ -119,16 +122,20 @@ class ServingModel:
 
     def new_request(self, request_id: str, prompt_ids: list[int], options: SamplingOptions, sink: OutputSink,
                     chat: bool = False, reasoning_inline: bool = False,
-                    grammar: Grammar | None = None, tool_calling: ToolCalling | None = None) -> GenerationRequest:
+                    grammar: Grammar | None = None, tool_calling: ToolCalling | None = None,
+                    lora_name: str = "") -> GenerationRequest:
         """`chat`: the prompt came from the chat template, so the reply's reasoning is parsed out
-        (unless it is asked inline, here or in the settings); `tool_calling`: its tool calls too."""
+        (unless it is asked inline, here or in the settings); `tool_calling`: its tool calls too;
+        `lora_name`: a loaded LoRA adapter's name ("": the base model)."""
         self.check_prompt(prompt_ids, options.max_tokens)
+        lora = self.lora(lora_name)
         if options.num_experts_per_token:
             check_experts_per_token(options.num_experts_per_token, self.runner.cfg)
         inline = reasoning_inline or self.settings.reasoning_format == "none"
         return GenerationRequest(
             request_id=request_id,
-            seq=Sequence(next(self._seq_ids), list(prompt_ids), num_experts_per_token=options.num_experts_per_token),
+            seq=Sequence(next(self._seq_ids), list(prompt_ids), num_experts_per_token=options.num_experts_per_token,
+                         lora=lora),
             options=options,
             sampler=RequestSampler(options, self.vocab_size, prompt_ids,
                                    frozenset() if options.ignore_eos else self.tokenizer.stop_ids),
@@ -138,6 +145,14 @@ class ServingModel:
             max_context_tokens=self.max_context_tokens,
             grammar=grammar,
         )
+
+    def lora(self, name: str) -> AdapterWeights | None:
+        """The adapter a request names; ValueError (INVALID_ARGUMENT) for a name not loaded."""
+        if not name or name == self.model_id:
+            return None
+        if self.adapters is None:
+            raise UnknownLora(f"The model `{name}` does not exist.")
+        return self.adapters.get(name)
 
     def _output_text(self, options: SamplingOptions, prompt_ids: list[int], chat: bool, inline: bool,
                      tool_calling: ToolCalling | None):
@@ -181,6 +196,8 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
                                        reasoning, settings.tool_call_parser),
         grammars=GrammarCompiler(tokenizer, runner.cfg.vocab_size),
     )
+    model.adapters = LoraAdapters(g, model.model_id, settings.lora_settings,
+                                  remote_experts=not getattr(runner.model.experts, "takes_lora", False))
     log.info("model %s loaded: %s, %d layers, dtype %s on %s, reasoning format %s (%s), tool calls %s",
              model.model_id, runner.cfg.arch, runner.cfg.num_layers, dtype_name(options.dtype), options.device,
              model.reasoning.name if model.reasoning else "none", settings.reasoning_format,

@@ -13,6 +13,7 @@ from splitmoe.attention_service.engine.speculation import SpeculationSettings
 from splitmoe.attention_service.engine.tool_calls import FORMATS
 from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
 from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
+from splitmoe.attention_service.lora_adapters import LoraSettings
 from splitmoe.attention_service.model.runner import RunnerOptions
 from splitmoe.runtime.cluster_auth import ClusterSecurity
 
@@ -43,6 +44,15 @@ class AttentionSettings:
     # The hottest routed experts kept in GPU memory (expert_backends/gpu_hot.py); needs a CUDA device.
     gpu_experts: HeatBudget = HeatBudget()
     speculation: SpeculationSettings = SpeculationSettings()  # drafted tokens verified per step (none by default)
+    # LoRA adapters (attention_service/lora_adapters.py): (name, path) loaded at start, how many may be
+    # loaded at once, the largest rank a tensor of one may have (vLLM's --lora-modules, --max-loras, --max-lora-rank)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
+
+    @property
+    def lora_settings(self) -> LoraSettings:
+        return LoraSettings(tuple(self.lora_modules), self.max_loras, self.max_lora_rank)
 
     def __post_init__(self):
         if self.reasoning_format not in ("auto", "none"):
@@ -52,6 +62,7 @@ class AttentionSettings:
                              f"not {self.tool_call_parser!r}")
         if self.max_batch_tokens < 1 or self.max_running_seqs < 1:
             raise ValueError("max_batch_tokens and max_running_seqs must be >= 1")
+        self.lora_settings  # checked here, at the edge
         if self.gpu_experts and self.runner.device.type != "cuda":
             raise ValueError(f"--gpu-experts keeps experts in GPU memory: it needs --device cuda, "
                              f"not {self.runner.device}")

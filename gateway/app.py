@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,9 +29,10 @@ from splitmoe.gateway.docs import add_docs, request_body
 from splitmoe.gateway.handlers.base import GenerationHandler
 from splitmoe.gateway.handlers.chat import ChatHandler
 from splitmoe.gateway.handlers.completions import CompletionHandler
-from splitmoe.gateway.handlers.models import ServedModel
+from splitmoe.gateway.handlers.models import Served, ServedModel
 from splitmoe.gateway.handlers.ops import OpsHandler
 from splitmoe.gateway.handlers.tokens import TokensHandler
+from splitmoe.gateway.lora_types import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from splitmoe.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from splitmoe.gateway.middleware import (
     PROBE_PATHS,
@@ -86,6 +87,25 @@ async def retrieve_model(raw: Request, model_id: str) -> Response:
     return to_response(await model.card(model_id, RequestId.current().value))
 
 
+# vLLM serves these only when VLLM_ALLOW_RUNTIME_LORA_UPDATING is set; here they are on (behind the API key,
+# as every route) unless GatewaySettings.allow_lora_updates is off, which leaves them out: 404, as in vLLM.
+lora_router = APIRouter()
+
+
+@lora_router.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoraAdapterRequest))
+async def load_lora_adapter(raw: Request) -> Response:
+    """vLLM's: a GGUF LoRA adapter loaded on the base model, then served under its name."""
+    model: ServedModel = raw.app.state.model
+    return await answer(raw, LoadLoraAdapterRequest, model.load_adapter)
+
+
+@lora_router.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadLoraAdapterRequest))
+async def unload_lora_adapter(raw: Request) -> Response:
+    """vLLM's: the adapter's name no longer served."""
+    model: ServedModel = raw.app.state.model
+    return await answer(raw, UnloadLoraAdapterRequest, model.unload_adapter)
+
+
 @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(raw: Request) -> Response:
     """vLLM's: a prompt (text) or messages (a chat) as the model's token ids."""
@@ -126,11 +146,12 @@ async def index(raw: Request) -> Response:
         return chat_page.page()
     model: ServedModel = raw.app.state.model
     try:
-        name = await model.resolve(None)
+        served = await model.resolve(None)
     except AttentionError:  # loading, or the attention service is down: the index still answers
-        name = None
-    routes = sorted({(method, route.path) for route in router.routes for method in getattr(route, "methods", ())})
-    return JSONResponse({"object": "splitmoe.index", "model": name if isinstance(name, str) else None,
+        served = None
+    served_routes = router.routes + (lora_router.routes if raw.app.state.settings.allow_lora_updates else [])
+    routes = sorted({(method, route.path) for route in served_routes for method in getattr(route, "methods", ())})
+    return JSONResponse({"object": "splitmoe.index", "model": served.name if isinstance(served, Served) else None,
                          "openai_base_url": "/v1",
                          "routes": [f"{method} {path.replace(':path', '')}" for method, path in routes]})
 
@@ -145,8 +166,9 @@ async def generate(raw: Request, id_prefix: str, body: type[SamplingRequest], ha
     return to_response(await with_cancellation(raw, handler.create(request, request_id)))
 
 
-async def answer(raw: Request, body: type[M], handle: Callable[[M, str], Awaitable[BaseModel | ErrorResponse]]) -> Response:
-    """A plain JSON route: its body parsed and handed, with the request's id, to `handle`."""
+async def answer(raw: Request, body: type[M],
+                 handle: Callable[[M, str], Awaitable[BaseModel | ErrorResponse | str]]) -> Response:
+    """A plain route: its JSON body parsed and handed, with the request's id, to `handle`."""
     request = await parse_body(raw, body)
     if isinstance(request, ErrorResponse):
         return to_response(request)
@@ -161,11 +183,13 @@ async def parse_body(raw: Request, model: type[M]) -> M | ErrorResponse:
         return validation_error(e)
 
 
-def to_response(result: ErrorResponse | BaseModel | dict | AsyncIterator[str] | None) -> Response:
+def to_response(result: ErrorResponse | BaseModel | dict | str | AsyncIterator[str] | None) -> Response:
     if result is None:  # the client hung up; nobody reads this
         return Response(status_code=499)
     if isinstance(result, ErrorResponse):
         return error_json(result)
+    if isinstance(result, str):  # vLLM's plain-text answers (a LoRA adapter loaded or unloaded)
+        return PlainTextResponse(result)
     if isinstance(result, BaseModel):
         return Response(content=result.model_dump_json(), media_type="application/json")
     if isinstance(result, dict):
@@ -250,6 +274,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = GatewayMetrics()
     app.include_router(router)
+    if settings.allow_lora_updates:
+        app.include_router(lora_router)
     add_docs(app)
     app.mount(chat_page.STATIC_PATH, StaticFiles(directory=chat_page.STATIC_DIR), name="static")
     app.add_exception_handler(StarletteHTTPException, http_exception)

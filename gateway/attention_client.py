@@ -23,6 +23,7 @@ from splitmoe.gateway.attention_types import (
     GenerateChunk,
     GenerateParams,
     HopStats,
+    LoraAdapter,
     ModelInfo,
     Prompt,
     ScoreParams,
@@ -134,6 +135,26 @@ class AttentionClient:
     async def model_info(self) -> ModelInfo:
         return model_info_of(await self._unary(self._stub.ModelInfo, pb.ModelInfoRequest(), self._probe_timeout_s))
 
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        """The attention service's words on the loaded adapter. Reading (and, on a GPU, uploading) the
+        file takes a request's deadline, not a probe's."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        return (await self._adapter_call(self._stub.LoadLoraAdapter, request)).message
+
+    async def unload_lora_adapter(self, name: str) -> str:
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        return (await self._adapter_call(self._stub.UnloadLoraAdapter, request)).message
+
+    async def _adapter_call(self, method, request) -> pb.LoraAdapterResponse:
+        """RESOURCE_EXHAUSTED here says every adapter slot (--max-loras) is taken: the client's to free
+        by an unload, so a 400, not the 429 of a full queue, which a retry would get past."""
+        try:
+            return await self._unary(method, request, self._request_timeout_s)
+        except AttentionError as e:
+            if e.status == 429:
+                raise AttentionError(400, e.message, e.code, e.detail) from None
+            raise
+
     async def stats(self, timeout_s: float | None = None) -> AttentionStats:
         """`timeout_s`: the probe deadline unless given (/health's own is shorter)."""
         stats = await self._unary(self._stub.GetStats, pb.AttentionStatsRequest(), timeout_s or self._probe_timeout_s)
@@ -158,7 +179,7 @@ def generate_request(params: GenerateParams) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=params.request_id, sampling=pb.SamplingParams(**params.sampling),
                               reasoning_inline=params.reasoning_inline, tool_calling=tool_calling,
                               structured_output=_structured_output(params.structured_output),
-                              **_prompt_field(params.prompt))
+                              lora_name=params.lora_name, **_prompt_field(params.prompt))
 
 
 def _structured_output(output: StructuredOutput | None) -> pb.StructuredOutput | None:
@@ -169,7 +190,7 @@ def _structured_output(output: StructuredOutput | None) -> pb.StructuredOutput |
 
 def score_request(params: ScoreParams) -> pb.ScoreRequest:
     return pb.ScoreRequest(request_id=params.request_id, top_logprobs=params.top_logprobs,
-                           **_prompt_field(params.prompt))
+                           lora_name=params.lora_name, **_prompt_field(params.prompt))
 
 
 def tokenize_request(params: TokenizeParams) -> pb.TokenizeRequest:
@@ -220,7 +241,7 @@ def _tokens_of(tokens) -> tuple[TokenLogprob, ...]:
 
 
 def model_info_of(info: pb.ModelInfoResponse) -> ModelInfo:
-    return _answer(ModelInfo, info)
+    return _answer(ModelInfo, info, lora_adapters=tuple(_answer(LoraAdapter, a) for a in info.lora_adapters))
 
 
 def stats_of(s: pb.AttentionStats) -> AttentionStats:

@@ -72,6 +72,7 @@ class GenerateParams:
     reasoning_inline: bool = False  # chat only: the model's reasoning as plain content
     structured_output: StructuredOutput | None = None  # None: free text
     tool_calling: ToolCalling | None = None  # chat only: parse the reply's tool calls
+    lora_name: str = ""                 # a loaded LoRA adapter's name; "": the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class ScoreParams:
     request_id: str
     prompt: str | TokenIds
     top_logprobs: int = 0
+    lora_name: str = ""                 # as GenerateParams'
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +150,19 @@ class TokenizeResult:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A LoRA adapter the attention service has loaded: requests name it as their model."""
+    name: str
+    path: str                                 # the GGUF file it was loaded from
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     ready: bool
     model_id: str = ""                        # empty until ready
     context_tokens: int = 0
+    lora_adapters: tuple[LoraAdapter, ...] = ()  # loaded now; they change at run time
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,9 +49,10 @@ class GatewayMetrics:
     def request_timer(self, clock: Callable[[], float] = time.monotonic) -> "RequestTimer":
         return RequestTimer(self, clock)
 
-    def render(self, stats: AttentionStats | None) -> bytes:
-        """The exposition text, with the attention service's figures from `stats` (None: unreachable)."""
-        self.stats.update(stats)
+    def render(self, stats: AttentionStats | None, num_lora_adapters: int | None = None) -> bytes:
+        """The exposition text, with the attention service's figures from `stats` (None: unreachable) and
+        the LoRA adapters it has loaded (None: unknown, left out)."""
+        self.stats.update(stats, num_lora_adapters)
         return generate_latest(self.registry)
 
 
@@ -88,9 +89,11 @@ class StatsCollector(Collector):
 
     def __init__(self) -> None:
         self._stats: AttentionStats | None = None
+        self._num_lora_adapters: int | None = None
 
-    def update(self, stats: AttentionStats | None) -> None:
+    def update(self, stats: AttentionStats | None, num_lora_adapters: int | None = None) -> None:
         self._stats = stats
+        self._num_lora_adapters = num_lora_adapters
 
     def describe(self) -> list[Metric]:
         return []  # families vary with the expert services present; skip the registry's name check
@@ -99,6 +102,9 @@ class StatsCollector(Collector):
         s = self._stats
         yield GaugeMetricFamily("splitmoe:attention_service_up", "1 if the attention service answered GetStats.",
                                 value=0 if s is None else 1)
+        if self._num_lora_adapters is not None:  # from ModelInfo: adapters served beside the base model
+            yield GaugeMetricFamily("splitmoe:lora_adapters_loaded", "LoRA adapters loaded, each served by its name.",
+                                    value=self._num_lora_adapters)
         if s is None:
             return
         yield from _scheduler_families(s)

@@ -411,8 +411,8 @@ class ChatCompletionRequest(SamplingRequest):
     def tool_calling(self) -> ToolCalling | None:
         return tool_rules.tool_calling(self.tool_dicts(), self.tool_choice, self.parallel_tool_calls)
 
-    def to_generate_params(self, request_id: str) -> list[GenerateParams]:
-        """One Generate call per choice (`n` of them)."""
+    def to_generate_params(self, request_id: str, lora_name: str = "") -> list[GenerateParams]:
+        """One Generate call per choice (`n` of them); `lora_name`: the adapter `model` named, "" for the base."""
         max_tokens = self.max_completion_tokens or self.max_tokens or UNTIL_CONTEXT_END
         params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         tools = self.tool_dicts()
@@ -423,7 +423,7 @@ class ChatCompletionRequest(SamplingRequest):
         calling = self.tool_calling()
         output = self._tool_output or (self.response_format.structured_output if self.response_format else None)
         return [GenerateParams(request_id=rid, prompt=chat, sampling=self.seeded(params, i), reasoning_inline=inline,
-                               structured_output=output, tool_calling=calling)
+                               structured_output=output, tool_calling=calling, lora_name=lora_name)
                 for i, rid in enumerate(fan_out(request_id, self.n))]
 
 
@@ -475,20 +475,21 @@ class CompletionRequest(SamplingRequest):
         """Score the prompt for its logprobs (echo), its text (echoed ids) or its length (max_tokens 0)."""
         return self.max_tokens == 0 or (self.echo and (self.logprobs is not None or not isinstance(self.prompt, str)))
 
-    def to_generate_params(self, request_id: str) -> list[GenerateParams]:
+    def to_generate_params(self, request_id: str, lora_name: str = "") -> list[GenerateParams]:
         """One Generate call per (prompt, choice), prompt-major: choice index = prompt * n + i."""
         params, prompts = self.sampling_params(self.max_tokens, self.logprobs), self.prompts()
         calls = []
         for p, prompt in enumerate(prompts):
             ids = fan_out(f"{request_id}-p{p}" if len(prompts) > 1 else request_id, self.n)
-            calls += [GenerateParams(request_id=rid, prompt=_attention_prompt(prompt), sampling=self.seeded(params, i))
+            calls += [GenerateParams(request_id=rid, prompt=_attention_prompt(prompt), sampling=self.seeded(params, i),
+                                     lora_name=lora_name)
                       for i, rid in enumerate(ids)]
         return calls
 
-    def to_score_params(self, request_id: str) -> list[ScoreParams]:
-        """One Score call per prompt (the prompt's own logprobs, for echo)."""
+    def to_score_params(self, request_id: str, lora_name: str = "") -> list[ScoreParams]:
+        """One Score call per prompt (the prompt's own logprobs, for echo), under the same adapter as its choices."""
         return [ScoreParams(request_id=f"{request_id}-score{p}", prompt=_attention_prompt(prompt),
-                            top_logprobs=self.logprobs or 0)
+                            top_logprobs=self.logprobs or 0, lora_name=lora_name)
                 for p, prompt in enumerate(self.prompts())]
 
 
@@ -632,10 +633,13 @@ class CompletionResponse(ChoicesBody[CompletionChoice]):
 
 
 class ModelCard(BaseModel):
+    """vLLM's card: a LoRA adapter's has its file as `root` and the base model's id as `parent`."""
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "splitmoe"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -30,6 +30,7 @@ class GatewaySettings:
     max_generations_per_request: int = 128  # prompts x n above this get 400 (OpenAI's n goes up to 128)
     max_generations_in_flight: int = 512   # Generate calls open at once; a request past it gets 429
     public_metrics: bool = False           # True: /metrics answers without the API key
+    allow_lora_updates: bool = True        # /v1/load_lora_adapter and /v1/unload_lora_adapter (False: 404)
     graceful_shutdown_s: float = 30.0      # in-flight requests get this long to finish on SIGTERM
     otlp_endpoint: str | None = None
     log_level: str = "info"

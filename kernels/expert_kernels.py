@@ -19,14 +19,15 @@ Accumulation and the output sum are float32; the result is returned in `hidden.d
 path (`kernels.moe.moe_forward`), bfloat16 / float16 ones the fast path, built once per set of
 hosted experts. Both services compute through it (the expert service's shard, and the attention
 side's in-process, local and hot experts), so the choice lives here, beside the kernels, not in
-the file reader (`modelfile.expert_tensors.ExpertShard` builds on it) nor in one service.
+the file reader (`modelfile.expert_tensors.ExpertShard` builds on it) nor in one service. Rows with
+a LoRA adapter (`lora=`) are computed by `kernels.expert_lora`, the other rows as without.
 """
 from __future__ import annotations
 
 import logging
 import math
 import threading
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import torch
 from gguf import GGMLQuantizationType as T
@@ -46,6 +47,9 @@ except ImportError as e:  # the module itself missing: treat as a library that d
     _NATIVE_IMPORT_ERROR = f"kernels.native not importable: {e}"
 else:
     _NATIVE_IMPORT_ERROR = None
+
+if TYPE_CHECKING:  # expert_lora builds on this module: imported where used
+    from splitmoe.kernels.expert_lora import AdaptedExperts, LoraRows
 
 log = logging.getLogger("splitmoe.kernels")
 
@@ -223,7 +227,7 @@ class FastMoELayer:
         ffn = self.ffns[expert]
         gate_up_bias, down_bias = self._biases[expert]
         f = ffn.gate.shape[0]
-        w = _scratch("gate_up", (2 * f, ffn.gate.shape[1]), self.compute_dtype)
+        w = scratch_buffer("gate_up", (2 * f, ffn.gate.shape[1]), self.compute_dtype)
         self._dequantize(ffn.gate, out=w[:f])
         self._dequantize(ffn.up, out=w[f:])
         a = self._activation(x @ w.T, ffn, gate_up_bias)
@@ -232,7 +236,7 @@ class FastMoELayer:
 
     def _dequantize(self, w: QuantTensor, scratch: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
-            out = _scratch(scratch, w.shape, self.compute_dtype)
+            out = scratch_buffer(scratch, w.shape, self.compute_dtype)
         return dequantize(w, self.compute_dtype, out=out, use_native=self._native_dequantize)
 
     @staticmethod
@@ -251,7 +255,7 @@ _tls = threading.local()
 _SCRATCH_MAX_BYTES = 64 << 20
 
 
-def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def scratch_buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A per-thread buffer reused across calls and layers (up to 64 MiB; larger ones are
     allocated per call): a fresh dequantized expert costs page faults on every call."""
     numel = math.prod(shape)
@@ -296,6 +300,7 @@ class ExpertCompute:
         self._repack_identity, self._model_name, self.repack_cache = repack_identity, model_name, repack_cache
         self._fast: dict[int, FastMoELayer] | None = None
         self._fast_lock = threading.Lock()
+        self._adapted: dict[int, AdaptedExperts] = {}  # per layer, made at its first adapted row
 
     def prepare_fast(self, progress: bool | None = None) -> dict[int, FastMoELayer]:
         """Build the fast path of every hosted layer now (once; later calls return it).
@@ -311,18 +316,50 @@ class ExpertCompute:
                 fast = self._fast
         return fast
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                expert_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                lora: LoraRows | None = None) -> torch.Tensor:
         """The hosted experts' part of the layer's expert sum; ids not hosted here add nothing.
 
         bfloat16/float16 `hidden` take the fast path, any other dtype the exact float32 reference.
+        `lora`: (an adapter's tensors for this layer, the int64 rows of `hidden` that use it) per adapter;
+        those rows get their adapter's deltas (kernels/expert_lora.py), the others are computed as without.
         """
         ffns = self._ffns.get(layer)
         if ffns is None:
             raise KeyError(f"layer {layer} is not in this shard ({format_ranges('layers', self._ffns)})")
+        if lora:
+            return self._forward_lora(layer, hidden, expert_ids, expert_weights, lora)
         if hidden.dtype in FAST_DTYPES:
             return self.prepare_fast()[layer].forward(hidden, expert_ids, expert_weights)
         return moe_forward(hidden, expert_ids, expert_weights, ffns)
+
+    def _forward_lora(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                      expert_weights: torch.Tensor, lora: LoraRows) -> torch.Tensor:
+        """The base path for the whole batch when any row uses the base (so those rows are bit-identical
+        to a call without adapters), the adapted rows' answers then replaced by `AdaptedExperts`'."""
+        from splitmoe.kernels.expert_lora import check_rows  # it builds on this module's routes
+
+        groups = check_rows(lora, hidden.shape[0])
+        if not groups:  # every adapter without tensors on this layer
+            return self.forward(layer, hidden, expert_ids, expert_weights)
+        rows = torch.cat([r for _, r in groups])
+        fast = hidden.dtype in FAST_DTYPES
+        native_max_tokens = self.prepare_fast()[layer].native_max_tokens if fast else 0  # float32: exact
+        if rows.numel() < hidden.shape[0]:
+            out = self.forward(layer, hidden, expert_ids, expert_weights)
+        else:
+            out = torch.zeros_like(hidden)
+        adapted = self._adapted_layer(layer).forward(hidden, expert_ids, expert_weights, groups, native_max_tokens)
+        out[rows] = adapted.to(out.dtype)
+        return out
+
+    def _adapted_layer(self, layer: int) -> AdaptedExperts:
+        adapted = self._adapted.get(layer)
+        if adapted is None:  # a race builds it twice, harmlessly: it holds views only
+            from splitmoe.kernels.expert_lora import AdaptedExperts
+
+            adapted = self._adapted.setdefault(layer, AdaptedExperts(self._ffns[layer], self.num_experts))
+        return adapted
 
 
 def build_fast_layers(ffns_by_layer: Mapping[int, Mapping[int, ExpertFFN]], num_experts: int,

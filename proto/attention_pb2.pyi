@@ -131,7 +131,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, kind: _Optional[_Union[StructuredOutput.Kind, str]] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "reasoning_inline", "structured_output", "tool_calling")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "reasoning_inline", "structured_output", "tool_calling", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class GenerateRequest(_message.Message):
     REASONING_INLINE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -148,7 +149,8 @@ class GenerateRequest(_message.Message):
     reasoning_inline: bool
     structured_output: StructuredOutput
     tool_calling: ToolCalling
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reasoning_inline: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tool_calling: _Optional[_Union[ToolCalling, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reasoning_inline: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tool_calling: _Optional[_Union[ToolCalling, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "token_bytes")
@@ -213,16 +215,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[TokenOut, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "top_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "top_logprobs", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("tokens", "usage", "text")
@@ -271,7 +275,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "arch", "context_tokens", "vocab_size", "ready", "dtype", "device")
+    __slots__ = ("model_id", "arch", "context_tokens", "vocab_size", "ready", "dtype", "device", "lora_adapters")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +283,7 @@ class ModelInfoResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     arch: str
     context_tokens: int
@@ -286,7 +291,38 @@ class ModelInfoResponse(_message.Message):
     ready: bool
     dtype: str
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., ready: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class AttentionStatsRequest(_message.Message):
     __slots__ = ()

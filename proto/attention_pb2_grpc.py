@@ -74,6 +74,16 @@ class AttentionServiceStub:
                 request_serializer=splitmoe_dot_proto_dot_attention__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=splitmoe_dot_proto_dot_attention__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitmoe.v1.AttentionService/LoadLoraAdapter',
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitmoe.v1.AttentionService/UnloadLoraAdapter',
+                request_serializer=splitmoe_dot_proto_dot_attention__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_attention__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -130,6 +140,19 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +195,16 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=splitmoe_dot_proto_dot_attention__pb2.DetokenizeRequest.FromString,
                     response_serializer=splitmoe_dot_proto_dot_attention__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitmoe_dot_proto_dot_attention__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_attention__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +423,60 @@ class AttentionService:
             '/splitmoe.v1.AttentionService/Detokenize',
             splitmoe_dot_proto_dot_attention__pb2.DetokenizeRequest.SerializeToString,
             splitmoe_dot_proto_dot_attention__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitmoe.v1.AttentionService/LoadLoraAdapter',
+            splitmoe_dot_proto_dot_attention__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitmoe.v1.AttentionService/UnloadLoraAdapter',
+            splitmoe_dot_proto_dot_attention__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitmoe_dot_proto_dot_attention__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,11 +93,12 @@ class Engine:
         with self._lock:
             self._post(lambda: self._remove(request_id))
 
-    def score(self, token_ids: list[int], top_logprobs: int) -> Future:
-        """Prompt logprobs, computed between steps; resolves to PromptLogprobs."""
+    def score(self, token_ids: list[int], top_logprobs: int, lora=None) -> Future:
+        """Prompt logprobs, computed between steps; resolves to PromptLogprobs. `lora`: the adapter
+        (model/lora.py AdapterWeights) the prompt is scored with; None: the base."""
         future: Future = Future()
         with self._lock:
-            self._post(lambda: self._score(token_ids, top_logprobs, future))
+            self._post(lambda: self._score(token_ids, top_logprobs, future, lora))
         return future
 
     def num_running_waiting(self) -> tuple[int, int]:
@@ -289,10 +290,10 @@ class Engine:
         s.max_batch_seqs = max(s.max_batch_seqs, len(step.requests))
         s.max_batch_tokens = max(s.max_batch_tokens, step.num_tokens)
 
-    def _score(self, token_ids: list[int], top_logprobs: int, future: Future) -> None:
+    def _score(self, token_ids: list[int], top_logprobs: int, future: Future, lora=None) -> None:
         if not future.set_running_or_notify_cancel():
             return
-        seq = Sequence(seq_id=-1 - self.stats.num_steps, token_ids=token_ids)
+        seq = Sequence(seq_id=-1 - self.stats.num_steps, token_ids=token_ids, lora=lora)
         try:
             logits = self.runner.step([seq], all_logits=True).cpu()
             future.set_result(_prompt_logprobs(token_ids, logits, top_logprobs))

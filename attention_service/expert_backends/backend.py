@@ -8,6 +8,7 @@ Every backend computes `kernels.moe`'s interface for one MoE layer: hidden [T, D
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,6 +101,9 @@ class InProcessExperts:
     Attention on a GPU: the layer call's tensors come to the host together and the answer goes
     back asynchronously (gpu/hop_copies.py), as for expert services."""
 
+    # LoRA adapters on routed experts (kernels/expert_lora.py): `forward` takes each adapter's rows
+    takes_lora = True
+
     def __init__(self, g: GGUFFile, repack_cache: RepackCache | None = None, nextn: bool = False):
         """`nextn`: the NextN/MTP layers' experts too (the MTP drafter's, engine/mtp.py)."""
         self.shard = ExpertShard(g, layers=moe_layers(g, nextn=nextn), repack_cache=repack_cache)
@@ -108,14 +112,16 @@ class InProcessExperts:
         self._ahead = SendAhead()
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                expert_weights: torch.Tensor) -> torch.Tensor:
-        return self.submit(layer, hidden, expert_ids, expert_weights).wait()
+                expert_weights: torch.Tensor, lora: list | None = None) -> torch.Tensor:
+        """`lora`: (an adapter's tensors for this layer, its rows) pairs (model/lora.py StepLora.expert_rows)."""
+        return self.submit(layer, hidden, expert_ids, expert_weights, lora).wait()
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> ExpertsHandle:
+               expert_weights: torch.Tensor, lora: list | None = None) -> ExpertsHandle:
+        compute = self._compute if lora is None else functools.partial(self._compute, lora=lora)
         if hidden.device.type == "cpu":  # the one device check: on a GPU the copies come first
-            return self._compute(layer, hidden, expert_ids, expert_weights)
-        return self.copies.submit(self._compute, layer, hidden, expert_ids, expert_weights)
+            return compute(layer, hidden, expert_ids, expert_weights)
+        return self.copies.submit(compute, layer, hidden, expert_ids, expert_weights)
 
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                      expert_weights: torch.Tensor) -> ExpertsHandle:
@@ -124,9 +130,12 @@ class InProcessExperts:
         return self.copies.submit_ahead(self._ahead, self._compute, layer, hidden, expert_ids, expert_weights)
 
     def _compute(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
-                 new_output=None) -> Ready:
+                 new_output=None, lora: list | None = None) -> Ready:
         """On host tensors (the shard makes its own output tensor: `new_output` is not needed)."""
-        out = self.shard.forward(layer, hidden, expert_ids, expert_weights)
+        if lora is None:
+            out = self.shard.forward(layer, hidden, expert_ids, expert_weights)
+        else:
+            out = self.shard.forward(layer, hidden, expert_ids, expert_weights, lora=lora)
         self.heat.add(layer, expert_ids)
         return Ready(out)
 

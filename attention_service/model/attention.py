@@ -253,17 +253,24 @@ class MultiHeadAttention:
     def __call__(self, i: int, w: AttentionWeights, h: torch.Tensor, batch: StepBatch,
                  kv: KVCache) -> torch.Tensor:
         """h [T, hidden] -> attention output [T, hidden]; writes this step's K/V to the cache."""
-        q, k, v = self._project(w, h)
+        q, k, v = self._project(w, h, batch.lora and (batch.lora, f"blk.{i}."))
         q, k = self._position(i, w, q, k, batch.positions)
         kv.write(i, batch.new_slots, k=k, v=v)
-        return linear(self._attend(i, w, q, batch, kv).flatten(1), w.out, w.out_bias)
+        a = self._attend(i, w, q, batch, kv).flatten(1)
+        out = linear(a, w.out, w.out_bias)
+        return out if batch.lora is None else batch.lora.add(f"blk.{i}.attn_output.weight", a, out)
 
-    def _project(self, w: AttentionWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, Dk], k [T, G, Dk], v [T, G, Dv], q/k normed where the architecture norms them."""
+    def _project(self, w: AttentionWeights, h: torch.Tensor,
+                 lora: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, Dk], k [T, G, Dk], v [T, G, Dv], q/k normed where the architecture norms them.
+        `lora`: (StepLora, "blk.N.") when rows of the step use adapters."""
         c, eps = self.cfg, self.cfg.norm_eps
         if isinstance(w.q, QuantLinear):
             h = h.float()  # what the quantized routes take: converted once for q, k and v
         q, k, v = w.qkv(h, (w.q_bias, w.k_bias, w.v_bias))
+        if lora is not None:
+            step, prefix = lora
+            q, k, v = step.add_parts(tuple(f"{prefix}attn_{n}.weight" for n in "qkv"), h, (q, k, v))
         if c.clamp_kqv:
             q, k, v = (t.clamp(-c.clamp_kqv, c.clamp_kqv) for t in (q, k, v))
         if self.spec.qk_norm == QkNorm.FULL:

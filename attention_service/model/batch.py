@@ -6,6 +6,7 @@ from functools import cached_property
 
 import torch
 
+from splitmoe.attention_service.model.lora import StepLora
 from splitmoe.kernels.decode_attention import AttentionContext
 
 
@@ -41,6 +42,7 @@ class StepBatch:
     experts_per_token: torch.Tensor | None = None  # [T]; None: every token uses the model's own k
     paged: PagedContext | None = None  # set: attention reads the cache through this table (decode on a GPU)
     verification: bool = False  # some sequence verifies drafted tokens (engine/speculation.py)
+    lora: StepLora | None = None  # the rows of requests that name a LoRA adapter (model/lora.py)
 
     @property
     def num_tokens(self) -> int:

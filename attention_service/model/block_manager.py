@@ -147,5 +147,6 @@ class BlockManager:
 def _extra_keys(seq: Sequence) -> tuple[int, ...]:
     """What besides the tokens changes a block's KV. Routed experts per token change every MoE
     layer's output and so the KV of every later layer. (0, the model's own, and that count given
-    explicitly name different blocks: a lost hit, never a wrong one.)"""
-    return (seq.num_experts_per_token,)
+    explicitly name different blocks: a lost hit, never a wrong one.) A LoRA adapter changes
+    every adapted product, so its identity is part of the key too."""
+    return (seq.num_experts_per_token,) if seq.lora is None else (seq.num_experts_per_token, seq.lora.key)

@@ -134,12 +134,20 @@ def _yarn_corr_dim(rotations: float, dims: int, theta: float, original_context_t
     return dims * math.log(original_context_tokens / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
 
-def swiglu(x: torch.Tensor, ffn) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) of a dense FFN's weights (weights.DenseFFNWeights)."""
+def swiglu(x: torch.Tensor, ffn, lora: tuple | None = None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) of a dense FFN's weights (weights.DenseFFNWeights).
+
+    `lora`: (StepLora, "blk.N.", suffix) when rows of the step use adapters: the GGUF names of the
+    three products are `blk.N.ffn_gate{suffix}.weight` and so on (suffix "_shexp": a shared expert)."""
     if isinstance(ffn.gate, QuantLinear):
         x = x.float()  # what the quantized routes take: converted once for gate and up
     gate, up = ffn.gate_up(x)
-    return linear(F.silu(gate) * up, ffn.down)
+    if lora is None:
+        return linear(F.silu(gate) * up, ffn.down)
+    step, prefix, suffix = lora
+    gate, up = step.add_parts((f"{prefix}ffn_gate{suffix}.weight", f"{prefix}ffn_up{suffix}.weight"), x, (gate, up))
+    a = F.silu(gate) * up
+    return step.add(f"{prefix}ffn_down{suffix}.weight", a, linear(a, ffn.down))
 
 
 def softmax_scale(head_dim: int) -> float:

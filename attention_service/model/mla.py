@@ -137,7 +137,7 @@ class MultiLatentAttention:
         c = self.cfg
         if isinstance(w.kv_a, QuantLinear):
             h = h.float()  # what the quantized routes take: converted once
-        q_nope, q_rope = self._query(w, h).split([self.nope_dims, self.rope_dims], dim=-1)
+        q_nope, q_rope = self._query(i, w, h, batch).split([self.nope_dims, self.rope_dims], dim=-1)
         latent, k_rope = linear(h, w.kv_a).split([c.kv_lora_rank, self.rope_dims], dim=-1)
         latent = rms_norm(latent, w.kv_a_norm, c.norm_eps)
         k_rope = self.rope(k_rope[:, None, :], batch.positions)[:, 0]
@@ -149,21 +149,30 @@ class MultiLatentAttention:
             out = paged_latent_decode_attention(q, kv.pools(i)[LATENT_ENTRY], batch.paged.slot_table,
                                                 batch.paged.context_lens, batch.positions, self.scale,
                                                 c.kv_lora_rank)
-            return linear(per_head(out, w.v_b).flatten(1), w.out)
+            return self._output(i, w, out, batch)
         if use_native_attention(kv):  # prompts too, in tiles, as the other attention kinds
             out = decode_attention(batch.attention_context, q, kv.native_pools(i)[LATENT_ENTRY], None, self.scale,
                                    value_dims=c.kv_lora_rank).to(q.dtype)
-            return linear(per_head(out, w.v_b).flatten(1), w.out)
+            return self._output(i, w, out, batch)
         out = torch.empty(q.shape[0], c.num_heads, c.kv_lora_rank, dtype=q.dtype, device=q.device)
         for s in batch.seqs:
             ctx = kv.read(i, s.context_slots)[LATENT_ENTRY]
             out[s.start : s.end] = latent_attention(q[s.start : s.end], ctx, batch.positions[s.start : s.end],
                                                     self.scale, c.kv_lora_rank)
-        # Σ p·(W_v c) = W_v (Σ p·c): each head's value map applied once, after the attention sum.
-        return linear(per_head(out, w.v_b).flatten(1), w.out)
+        return self._output(i, w, out, batch)
 
-    def _query(self, w: MLAWeights, h: torch.Tensor) -> torch.Tensor:
+    def _output(self, i: int, w: MLAWeights, out: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """[T, hidden] from each head's latent attention sum [T, H, L]."""
+        # Σ p·(W_v c) = W_v (Σ p·c): each head's value map applied once, after the attention sum.
+        a = per_head(out, w.v_b).flatten(1)
+        y = linear(a, w.out)
+        return y if batch.lora is None else batch.lora.add(f"blk.{i}.attn_output.weight", a, y)
+
+    def _query(self, i: int, w: MLAWeights, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """[T, H, N+R]: through the q LoRA (down, RMSNorm, up) when the file has one."""
         if w.q_a is not None:
             h = rms_norm(linear(h, w.q_a), w.q_a_norm, self.cfg.norm_eps)
-        return linear(h, w.q).view(h.shape[0], self.cfg.num_heads, self.cfg.mla_key_head_dim)
+        q = linear(h, w.q)
+        if batch.lora is not None and w.q_a is None:  # attn_q.weight: no q LoRA (adapters on attn_q_b are refused)
+            q = batch.lora.add(f"blk.{i}.attn_q.weight", h, q)
+        return q.view(h.shape[0], self.cfg.num_heads, self.cfg.mla_key_head_dim)

@@ -21,6 +21,7 @@ from splitmoe.attention_service.model.batch import SeqSlice, StepBatch
 from splitmoe.attention_service.model.block_manager import BlockManager
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.kv_formats import kv_format
+from splitmoe.attention_service.model.lora import StepLora
 from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.attention_service.model.static_decode import DecodeRows, StaticDecode
 from splitmoe.attention_service.model.transformer import MoETransformer
@@ -131,7 +132,7 @@ class ModelRunner:
         sink = None if all_logits else self.hidden_sink  # scoring a prompt (echo) drafts nothing after it
         self.model.keep_hidden = sink is not None
         if self.static_decode is not None and sink is None and all(n == 1 == s.num_tokens - s.num_cached_tokens
-                                                  for s, n in zip(seqs, num_new_tokens)):
+                                                  and s.lora is None for s, n in zip(seqs, num_new_tokens)):
             logits = self._static_step(seqs)
         if logits is None:
             batch = self._build_batch(seqs, num_new_tokens, all_logits, logits_tokens)
@@ -216,6 +217,7 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             experts_per_token=self._experts_per_token(seqs, experts),
             verification=any(n > 1 for n in logits_tokens or ()) and not all_logits,
+            lora=StepLora.of_rows([s.lora for s, n in zip(seqs, num_new_tokens) for _ in range(n)]),
         )
 
     def _experts_per_token(self, seqs: list[Sequence], per_token: list[int]) -> torch.Tensor | None:

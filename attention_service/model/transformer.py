@@ -23,6 +23,7 @@ from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.batch import StepBatch
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import NORMS, linear, swiglu
+from splitmoe.attention_service.model.lora import StepLora
 from splitmoe.attention_service.model.routing import limit_experts, route, sums_to_one
 from splitmoe.attention_service.model.weights import LayerWeights, ModelWeights
 from splitmoe.modelfile.architectures.base import ArchSpec
@@ -114,8 +115,10 @@ class MoETransformer:
         x = w.token_embedding[batch.token_ids].float()
         per_token = batch.experts_per_token
         top_k = self.cfg.num_experts_used if per_token is None else int(per_token.max())  # of the whole step
-        parts = batch.split(self.micro_batches) if self.micro_batches > 1 else []
-        fronts = self._native_fronts(kv) if use_native_decode(batch, kv) and len(parts) <= 1 else []
+        lora = batch.lora  # adapters add their deltas after the products the native fronts fuse
+        parts = batch.split(self.micro_batches) if self.micro_batches > 1 and lora is None else []
+        fronts = self._native_fronts(kv) if use_native_decode(batch, kv) and len(parts) <= 1 and not (
+            lora and lora.attention_side) else []
         if len(parts) > 1:
             x = self._pipelined(x, parts, kv, top_k)
         elif fronts:
@@ -128,15 +131,20 @@ class MoETransformer:
             for i, layer in enumerate(w.layers):
                 x = x + self.attention(i, layer.attn, self.norm(x, layer.attn_norm, eps).to(self.dtype), batch, kv)
                 x = x + self.ffn(i, layer, self.norm(x, layer.ffn_norm, eps), batch, top_k)
+        head_lora = lora and lora.of_rows_subset(batch.logits_rows)
         if self.keep_hidden:
             self.last_hidden = self.norm(x, w.output_norm, eps)  # row by row: the same rows as head() norms
-            return linear(self.last_hidden[batch.logits_rows].to(self.dtype), w.output).float()
-        return self.head(x[batch.logits_rows])
+            return self._output(self.last_hidden[batch.logits_rows].to(self.dtype), head_lora)
+        return self.head(x[batch.logits_rows], head_lora)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, lora: StepLora | None = None) -> torch.Tensor:
         """Float32 logits of residual rows x: the output norm and the output head."""
         w = self.weights
-        return linear(self.norm(x, w.output_norm, self.cfg.norm_eps).to(self.dtype), w.output).float()
+        return self._output(self.norm(x, w.output_norm, self.cfg.norm_eps).to(self.dtype), lora)
+
+    def _output(self, h: torch.Tensor, lora: StepLora | None) -> torch.Tensor:
+        logits = linear(h, self.weights.output).float()
+        return logits if lora is None else lora.add("output.weight", h, logits)
 
     def _pipelined(self, x: torch.Tensor, parts: list[tuple[StepBatch, slice]], kv: KVCache,
                    top_k: int) -> torch.Tensor:
@@ -189,12 +197,13 @@ class MoETransformer:
         hidden, ids, weights = self._expert_inputs(h, ids, weights)
         return FFNStart(hidden, ids, weights, h.shape[0])
 
-    def shared_ffn(self, layer: LayerWeights, h: torch.Tensor, h32: torch.Tensor) -> torch.Tensor | None:
+    def shared_ffn(self, layer: LayerWeights, h: torch.Tensor, h32: torch.Tensor,
+                   lora: tuple[StepLora, str] | None = None) -> torch.Tensor | None:
         """The MoE layer's shared expert (gated where the architecture gates it), float32; None without one."""
         w = layer.moe
         if w.shared is None:
             return None
-        shared = swiglu(h, w.shared).float()
+        shared = swiglu(h, w.shared, lora and (lora[0], lora[1], "_shexp")).float()
         if w.shared_gate is not None:
             shared = shared * torch.sigmoid(linear(h32, w.shared_gate))
         return shared
@@ -204,11 +213,19 @@ class MoETransformer:
         """h32: the normed input in float32; the router and gates read it before rounding.
         `router_logits`: the router's product of h32 when the caller computed it already."""
         h = h32.to(self.dtype)
+        lora = batch.lora and (batch.lora, f"blk.{i}.")
         if layer.moe is None:
-            return swiglu(h, layer.dense_ffn)
+            return swiglu(h, layer.dense_ffn, lora and (*lora, ""))
         start = self.start_ffn(layer, h, h32, batch, top_k, router_logits)
-        routed = self.experts.forward(i, start.hidden, start.ids, start.weights)
-        return FFNStart.finish(routed, self.shared_ffn(layer, h, h32), start.tokens)
+        expert_lora = batch.lora and batch.lora.expert_rows(i)
+        if expert_lora and start.hidden.shape[0] != h.shape[0]:  # input-weighted: K rows a token, token-major
+            k = start.hidden.shape[0] // h.shape[0]
+            expert_lora = [(a, (rows[:, None] * k + torch.arange(k)).flatten()) for a, rows in expert_lora]
+        if expert_lora:  # only then: the backends without adapters keep their signature
+            routed = self.experts.forward(i, start.hidden, start.ids, start.weights, lora=expert_lora)
+        else:
+            routed = self.experts.forward(i, start.hidden, start.ids, start.weights)
+        return FFNStart.finish(routed, self.shared_ffn(layer, h, h32, lora), start.tokens)
 
     def _start_ffn(self, i: int, layer: LayerWeights, h32: torch.Tensor, batch: StepBatch,
                    top_k: int) -> _PendingFFN:

@@ -13,7 +13,7 @@ from splitmoe.gateway.admission import Admission, Refused
 from splitmoe.gateway.attention_client import AttentionClient, AttentionError
 from splitmoe.gateway.attention_types import GenerateChunk
 from splitmoe.gateway.failures import failed
-from splitmoe.gateway.handlers.models import ServedModel
+from splitmoe.gateway.handlers.models import Served, ServedModel
 from splitmoe.gateway.metrics import GatewayMetrics, RequestTimer
 from splitmoe.gateway.openai_types import ErrorResponse, SamplingRequest, UsageInfo
 from splitmoe.gateway.sse import sse_stream
@@ -54,13 +54,14 @@ class GenerationHandler(Handler, ABC):
 
     async def create(self, request: SamplingRequest, request_id: str
                      ) -> ErrorResponse | BaseModel | AsyncIterator[str]:
+        served = None
         try:
-            model = await self.model.resolve(request.model)
-            if isinstance(model, ErrorResponse):
-                return model
+            served = await self.model.resolve(request.model)
+            if isinstance(served, ErrorResponse):
+                return served
             timer = self.metrics.request_timer()
             self.admission.check(request.num_generations)
-            gen = await self._start(request, request_id, model, timer)
+            gen = await self._start(request, request_id, served, timer)
             events = choice_events(gen.streams, gen.states, timer)
             if request.stream:
                 return sse_stream(self._chunks(gen, events), request.include_usage, request_id)
@@ -68,8 +69,20 @@ class GenerationHandler(Handler, ABC):
         except Refused as e:
             return e.error
         except AttentionError as e:
+            if e.status == 400 and isinstance(served, Served) and served.lora_name:
+                return await self._adapter_refused(served, request_id, e)
             return failed(request_id, e)
         return self._response(gen, gen.finish())
+
+    async def _adapter_refused(self, served: Served, request_id: str, e: AttentionError) -> ErrorResponse:
+        """A 400 for a request on an adapter: unloaded since it was resolved (OpenAI's 404, as for any
+        unknown model), or a 400 of its own."""
+        self.model.forget_adapters()
+        try:
+            again = await self.model.resolve(served.name)
+        except AttentionError:
+            again = None
+        return again if isinstance(again, ErrorResponse) else failed(request_id, e)
 
     async def _chunks(self, gen: Generation, events: AsyncIterator[tuple[int, GenerateChunk]]
                       ) -> AsyncIterator[BaseModel]:
@@ -89,8 +102,8 @@ class GenerationHandler(Handler, ABC):
             yield chunk([], usage)
 
     @abstractmethod
-    async def _start(self, request: SamplingRequest, request_id: str, model: str, timer: RequestTimer) -> Generation:
-        """The request's calls started (or answered without any)."""
+    async def _start(self, request: SamplingRequest, request_id: str, served: Served, timer: RequestTimer) -> Generation:
+        """The request's calls started (or answered without any), with the adapter `served` names."""
 
     @abstractmethod
     def _response(self, gen: Generation, usage: UsageInfo) -> BaseModel:

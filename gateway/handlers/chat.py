@@ -5,6 +5,7 @@ from collections.abc import Iterable
 
 from splitmoe.gateway.attention_types import GenerateChunk
 from splitmoe.gateway.handlers.base import Generation, GenerationHandler
+from splitmoe.gateway.handlers.models import Served
 from splitmoe.gateway.logprobs import chat_logprobs
 from splitmoe.gateway.metrics import RequestTimer
 from splitmoe.gateway.openai_types import (
@@ -25,10 +26,11 @@ class ChatHandler(GenerationHandler):
     """POST /v1/chat/completions."""
     chunk_type = ChatCompletionChunk
 
-    async def _start(self, request: ChatCompletionRequest, request_id: str, model: str,
+    async def _start(self, request: ChatCompletionRequest, request_id: str, served: Served,
                      timer: RequestTimer) -> Generation:
-        streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
-        return Generation(request, request_id, model, timer, [ChoiceState() for _ in streams], streams)
+        params = request.to_generate_params(request_id, served.lora_name)
+        streams = await open_streams(self.client, self.admission, params)
+        return Generation(request, request_id, served.name, timer, [ChoiceState() for _ in streams], streams)
 
     def _response(self, gen: Generation, usage: UsageInfo) -> ChatCompletionResponse:
         request = gen.request

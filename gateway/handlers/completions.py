@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from splitmoe.gateway.attention_types import GenerateChunk, ScoreResult
 from splitmoe.gateway.handlers.base import Generation, GenerationHandler
+from splitmoe.gateway.handlers.models import Served
 from splitmoe.gateway.logprobs import completion_logprobs, join_logprobs, text_length
 from splitmoe.gateway.metrics import RequestTimer
 from splitmoe.gateway.openai_types import (
@@ -40,24 +41,26 @@ class CompletionHandler(GenerationHandler):
     """POST /v1/completions, including scoring: echo + logprobs (+ max_tokens 0) via Score."""
     chunk_type = CompletionResponse  # OpenAI uses one shape for both
 
-    async def _start(self, request: CompletionRequest, request_id: str, model: str,
+    async def _start(self, request: CompletionRequest, request_id: str, served: Served,
                      timer: RequestTimer) -> Completion:
-        echoes = await self._echoes(request, request_id)
+        echoes = await self._echoes(request, request_id, served.lora_name)
         states = [ChoiceState() for _ in range(len(request.prompts()) * request.n)]
         if request.max_tokens == 0:  # scoring only: nothing to generate
             streams = []
             for i, state in enumerate(states):
                 state.finish_reason, state.prompt_tokens = "length", echoes[i // request.n].prompt_tokens
         else:
-            streams = await open_streams(self.client, self.admission, request.to_generate_params(request_id))
-        return Completion(request, request_id, model, timer, states, streams, echoes, [0] * len(states))
+            params = request.to_generate_params(request_id, served.lora_name)
+            streams = await open_streams(self.client, self.admission, params)
+        return Completion(request, request_id, served.name, timer, states, streams, echoes, [0] * len(states))
 
-    async def _echoes(self, request: CompletionRequest, request_id: str) -> list[PromptEcho] | None:
+    async def _echoes(self, request: CompletionRequest, request_id: str, lora_name: str) -> list[PromptEcho] | None:
         """Each prompt's echo, scored by the attention service where its text or logprobs are needed."""
         prompts = request.prompts()
         if not request.needs_prompt_scores:
             return [PromptEcho(p, None, 0) for p in prompts] if request.echo else None
-        scores = await asyncio.gather(*(self.client.score(s) for s in request.to_score_params(request_id)))
+        calls = request.to_score_params(request_id, lora_name)
+        scores = await asyncio.gather(*(self.client.score(s) for s in calls))
         return [self._echo(request, p, s) for p, s in zip(prompts, scores)]
 
     @staticmethod

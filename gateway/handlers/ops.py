@@ -60,7 +60,17 @@ class OpsHandler(Handler):
                 log.info("every expert service healthy again")
 
     async def metrics_text(self) -> bytes:
-        return self.metrics.render(await self._stats())
+        stats, num_adapters = await asyncio.gather(self._stats(), self._num_lora_adapters())
+        return self.metrics.render(stats, num_adapters)
+
+    async def _num_lora_adapters(self) -> int | None:
+        """None while the attention service is loading or does not answer within the probes' time."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                info = await self.model.fresh_info()
+        except (TimeoutError, AttentionError):
+            return None
+        return len(info.lora_adapters) if info.ready else None
 
     async def _stats(self) -> AttentionStats | None:
         try:

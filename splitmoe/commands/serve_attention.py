@@ -104,6 +104,12 @@ SERVING_OPTIONS: tuple[tuple[str, dict], ...] = (
                                 "the attention process with a KV cache of its own, as llama-server runs it (default: none)")),
     ("--num-speculative-tokens", dict(type=int, default=4, metavar="K",
                                       help="drafted tokens per step and stream, with --speculative")),
+    ("--lora-modules", dict(nargs="+", default=[], metavar="NAME=PATH",
+                            help="LoRA adapters served beside the base model, GGUF files as llama.cpp's "
+                                 "convert_lora_to_gguf.py writes them: a request's `model` NAME picks one, "
+                                 "/v1/models lists them; more at run time with /v1/load_lora_adapter (default: none)")),
+    ("--max-loras", dict(type=int, default=4, help="LoRA adapters loaded at once")),
+    ("--max-lora-rank", dict(type=int, default=64, help="the largest rank an adapter's tensor may have")),
     ("--micro-batches", dict(type=int, choices=[1, 2], default=1,
                              help="2: cut each step of several sequences in two and pipeline the halves, so "
                                   "that attention of one overlaps the remote experts of the other "
@@ -124,7 +130,7 @@ def serving_options_argv(args: argparse.Namespace) -> list[str]:
     for flag, kwargs in SERVING_OPTIONS:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value != kwargs["default"]:
-            argv += [flag, str(value)]
+            argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return argv
 
 
@@ -154,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from splitmoe.attention_service.engine.speculation import SpeculationSettings
     from splitmoe.attention_service.expert_backends.load_plan import HeatBudget
     from splitmoe.attention_service.expert_backends.remote import RemoteExpertsSettings
+    from splitmoe.attention_service.lora_adapters import parse_lora_module
     from splitmoe.attention_service.model.runner import DTYPES, default_device
     from splitmoe.attention_service.server import serve
     from splitmoe.attention_service.settings import AttentionSettings, serving_runner_options
@@ -185,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, security=security,
         gpu_experts=HeatBudget.parse(args.gpu_experts or "0", "--gpu-experts"),
         speculation=SpeculationSettings(args.speculative, args.num_speculative_tokens,
-                                        draft_model=args.model_draft))
+                                        draft_model=args.model_draft),
+        lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank)
     setup_logging()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,6 +11,7 @@ from splitmoe.gateway.admission import Admission, Refused
 from splitmoe.gateway.attention_client import AttentionError
 from splitmoe.gateway.attention_types import GenerateChunk, GenerateParams, TokenLogprob, TopLogprob, Usage
 from splitmoe.gateway.handlers.chat import ChatHandler
+from splitmoe.gateway.handlers.models import Served
 from splitmoe.gateway.logprobs import chat_logprobs, completion_logprobs
 from splitmoe.gateway.openai_types import (
     ChatCompletionChunk,
@@ -109,7 +110,7 @@ def chat_stream_lines(body: str, *calls: FakeCall) -> list[str]:
 
 class _Model:
     async def resolve(self, requested):
-        return "demo"
+        return Served("demo")
 
 
 def _metrics():
