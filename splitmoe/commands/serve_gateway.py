@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 512; keep it well under a thousand per attention service, whose gRPC server "
                         "sheds calls at random past that)")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    p.add_argument("--no-lora-updates", action="store_true",
+                   help="leave out /v1/load_lora_adapter and /v1/unload_lora_adapter (404, as vLLM without "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); the adapters given at start are still served")
     p.add_argument("--health-timeout-s", type=float, default=None,
                    help="what /health and /metrics wait for the attention service at most (default 0.8)")
     add_cluster_flags(p, serves=False, calls=True)
@@ -42,7 +45,8 @@ def cmd_serve_gateway(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes, max_generations_per_request=args.max_generations_per_request,
         max_generations_in_flight=args.max_generations_in_flight, public_metrics=args.public_metrics or None,
-        health_timeout_s=args.health_timeout_s, cluster=cluster_security(args))
+        health_timeout_s=args.health_timeout_s, cluster=cluster_security(args),
+        allow_lora_updates=False if args.no_lora_updates else None)
     setup_logging()
     setup_tracing("splitmoe-gateway", settings.otlp_endpoint)
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, loop="uvloop",
