@@ -51,8 +51,9 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 
 
 class LoraAdapters:
-    """Name -> loaded adapter. `remote_experts`: the routed experts run in expert services, which do
-    not take adapters yet: an adapter with routed-expert tensors is refused there."""
+    """Name -> loaded adapter. `remote_experts`: the routed experts run in a backend that does not
+    take adapters (`takes_lora`: GPU hot experts, device experts): an adapter with routed-expert
+    tensors is refused there. Expert services take them (each loads the file at the same path)."""
 
     def __init__(self, base: GGUFFile, base_name: str, settings: LoraSettings, remote_experts: bool = False):
         self.base, self.base_name, self.settings = base, base_name, settings
@@ -79,8 +80,8 @@ class LoraAdapters:
             raise ValueError(str(e).splitlines()[0] if str(e) else f"{path}: cannot read the adapter") from None
         weights = AdapterWeights.of(adapter)
         if weights.experts and self.remote_experts:
-            raise ValueError(f"{path}: adapts routed experts, which run in expert services here; adapters on them "
-                             "need in-process experts for now (adapters on attention, shared experts and the head work)")
+            raise ValueError(f"{path}: adapts routed experts, whose backend here (experts on the GPU) does not apply "
+                             "adapters yet (adapters on attention, shared experts and the head work)")
         with self._lock:
             if name in self._adapters:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")

@@ -8,7 +8,8 @@ shared-memory regions, each of which must be its own (proto/shm.py `ShmRegion.at
 request's tensors are views of its slot (proto/doorbell.py `Slot`: no copy, no allocation beyond
 a few cached tensor views), the hop handler (expert_service/hops.py) computes, and the output is
 copied into the slot's output area before the reply header goes back. With the native kernels a
-C++ loop (expert_service/native_hops.py) answers decode hops itself and hands the rest to Python.
+C++ loop (expert_service/native_hops.py) answers decode hops itself and hands the rest to Python,
+hops with LoRA rows (KIND_FORWARD_LORA) among them.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from splitmoe.expert_service.adapters import HopLora
 from splitmoe.expert_service.hops import HopHandler, Lane
 from splitmoe.expert_service.native_hops import NativeConnection
 from splitmoe.kernels import native
+from splitmoe.modelfile.lora_adapter import AdapterRef
 from splitmoe.proto import codec, doorbell
 from splitmoe.proto.shm import Peer, ShmRegion
 
@@ -115,6 +118,7 @@ class _Connection:
         self._stopped: BaseException | None = None  # what ended the native loop from a Python answer
         self._slots: list[doorbell.Slot | None] = [None] * doorbell.NUM_SLOTS
         self._hop: tuple = ()  # the hop being answered: slot, announcement, tokens, top_k, hidden size, dtype
+        self._hop_adapters: bytes = b""  # and its adapters (KIND_FORWARD_LORA), as the request carries them
         self._hop_views: doorbell.SlotViews | None = None
         self._received = bytearray(doorbell.MAX_MESSAGE_BYTES)
         self._reply = bytearray(doorbell.MAX_MESSAGE_BYTES)
@@ -158,14 +162,15 @@ class _Connection:
         """Answer one hop request of `length` bytes in self._received, on the socket."""
         received = self._received
         start_ns = time.monotonic_ns()
-        if length < doorbell.REQUEST.size or received[0] != doorbell.KIND_FORWARD:
+        if length < doorbell.REQUEST.size or received[0] not in (doorbell.KIND_FORWARD, doorbell.KIND_FORWARD_LORA):
             raise _ProtocolError(f"a {length}-byte message that is not a hop request")
-        (_, wire_dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
+        (kind, wire_dtype, slot, layer, num_tokens, top_k, hidden_size, seq,
          announced_length, trace_length) = doorbell.REQUEST.unpack_from(received)
         start = doorbell.REQUEST.size + announced_length
         parent = _trace_parent(received[start:start + trace_length]) if trace_length else None
         self._hop = (slot, received[doorbell.REQUEST.size:start] if announced_length else None,
                      num_tokens, top_k, hidden_size, wire_dtype)
+        self._hop_adapters = bytes(received[start + trace_length:length]) if kind == doorbell.KIND_FORWARD_LORA else b""
         compute_s, error = self._handler.answer(self._lane, layer, parent, self)
         doorbell.REPLY.pack_into(self._reply, 0, doorbell.KIND_FORWARD,
                                  doorbell.STATUS_ERROR if error else doorbell.STATUS_OK, seq, start_ns,
@@ -191,6 +196,16 @@ class _Connection:
             raise ValueError(f"slot {slot} has no shared-memory region yet")
         views = self._hop_views = mapped.views(num_tokens, top_k, hidden_size, codec.torch_dtype(wire_dtype))
         return views.hidden, views.expert_ids, views.expert_weights
+
+    def lora(self) -> HopLora:
+        """Each adapter's rows, from each row's adapter index in the slot (after `inputs` mapped it)."""
+        if not self._hop_adapters:
+            return []
+        slot, _, num_tokens, top_k, hidden_size, wire_dtype = self._hop
+        adapters = doorbell.parse_adapters(self._hop_adapters)
+        index = doorbell.lora_rows_view(self._slots[slot].region, num_tokens, top_k, hidden_size,
+                                        codec.torch_dtype(wire_dtype)).long()
+        return [(AdapterRef(*adapter), (index == i).nonzero().flatten()) for i, adapter in enumerate(adapters)]
 
     def deliver(self, output: torch.Tensor) -> None:
         into = self._hop_views.output

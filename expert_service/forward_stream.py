@@ -10,8 +10,10 @@ from typing import Iterator
 
 import torch
 
+from splitmoe.expert_service.adapters import HopLora
 from splitmoe.expert_service.hops import HopHandler
 from splitmoe.kernels import native
+from splitmoe.modelfile.lora_adapter import AdapterRef
 from splitmoe.proto import codec, expert_pb2
 from splitmoe.runtime.telemetry import extract_grpc_context
 
@@ -48,6 +50,10 @@ class _MessageHop:
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r = self._request
         return codec.decode(r.hidden), codec.decode(r.expert_ids), codec.decode(r.expert_weights)
+
+    def lora(self) -> HopLora:
+        return [(AdapterRef(entry.name, entry.path, entry.identity), torch.tensor(entry.rows, dtype=torch.int64))
+                for entry in self._request.lora]
 
     def deliver(self, output: torch.Tensor) -> None:
         self.response = expert_pb2.ExpertResponse(step_id=self._request.step_id, layer=self._request.layer)

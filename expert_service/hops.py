@@ -1,9 +1,10 @@
 """One hop, whichever front-end received it: the Forward stream (forward_stream.py) or the doorbell.
 
 The front-ends only move bytes: each hands `HopHandler.answer` the hop's layer, the caller's trace
-context and a `Hop` that reads its inputs and writes its output in the transport's own format.
-The handler does the rest the same way for both: a span under the caller's trace, the shard's
-compute, any error turned into the text of an in-band error reply (the stream or connection must
+context and a `Hop` that reads its inputs (and the LoRA adapters its rows use) and writes its output
+in the transport's own format. The handler does the rest the same way for both: a span under the
+caller's trace, the adapters (expert_service/adapters.py), the shard's compute, any error turned
+into the text of an in-band error reply (the stream or connection must
 survive for the next layer), and which hops are being computed, for the shutdown drain: per lane
 (a stream or a connection, answering its hops one at a time) a flag, which costs a hop less than
 a shared count under a lock.
@@ -20,6 +21,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from splitmoe.expert_service.adapters import ExpertAdapters, HopLora
 from splitmoe.expert_service.native_hops import NativeConnection
 from splitmoe.expert_service.shard import HostedShard
 from splitmoe.runtime.telemetry import tracer
@@ -32,6 +34,10 @@ _DRAIN_POLL_S = 0.005
 class Hop(Protocol):
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden [T, D], expert ids [T, K], expert weights [T, K]), as the request carries them."""
+        ...
+
+    def lora(self) -> HopLora:
+        """The adapters some rows use and their rows (after `inputs`); empty: every row uses the base."""
         ...
 
     def deliver(self, output: torch.Tensor) -> None:
@@ -53,6 +59,7 @@ class HopHandler:
 
     def __init__(self, hosted: HostedShard):
         self.hosted = hosted
+        self.adapters = ExpertAdapters(hosted.g)
         self._lock = threading.Lock()
         self._lanes: set[Lane | NativeConnection] = set()  # a C++ loop is a lane of its own hops
 
@@ -114,7 +121,10 @@ class HopHandler:
 
     def _answer(self, layer: int, hop: Hop) -> tuple[float, str]:
         try:
-            out, compute_s = self.hosted.forward(layer, *hop.inputs())
+            hidden, expert_ids, expert_weights = hop.inputs()
+            lora = hop.lora()
+            layer_lora = self.adapters.for_layer(layer, lora) if lora else None
+            out, compute_s = self.hosted.forward(layer, hidden, expert_ids, expert_weights, layer_lora)
             hop.deliver(out)
             return compute_s, ""
         except Exception as e:  # noqa: BLE001 - whatever one request does wrong, the next layer's must work

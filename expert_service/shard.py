@@ -23,6 +23,7 @@ import torch
 from splitmoe.expert_service.native_hops import NativeHops
 from splitmoe.kernels import native
 from splitmoe.kernels.expert_kernels import format_ranges
+from splitmoe.kernels.expert_lora import LoraRows
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.expert_tensors import (
     ExpertKey,
@@ -84,11 +85,12 @@ class HostedShard:
         self._shard, self._hosted = self._build(layers, experts, by_layer)
         return self.describe()
 
-    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                expert_weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                lora: LoraRows | None = None) -> tuple[torch.Tensor, float]:
         """(this shard's part of the layer's expert sum in `hidden.dtype`, seconds computing it).
 
-        Ids this shard does not host (and -1, "computed elsewhere") add nothing.
+        Ids this shard does not host (and -1, "computed elsewhere") add nothing. `lora`: each
+        adapter's tensors on this layer and its rows (kernels/expert_lora.py), the others use the base.
         """
         shard, hosted = self._shard, self._hosted
         self._check_inputs(hidden, expert_ids, expert_weights)
@@ -97,7 +99,10 @@ class HostedShard:
         if layer not in shard.layers:
             raise ValueError(f"layer {layer} is not hosted here ({format_ranges('layers', shard.layers)})")
         start_s = time.perf_counter()
-        out = shard.forward(layer, hidden, expert_ids.long(), expert_weights)
+        if lora:
+            out = shard.forward(layer, hidden, expert_ids.long(), expert_weights, lora=lora)
+        else:
+            out = shard.forward(layer, hidden, expert_ids.long(), expert_weights)
         compute_s = time.perf_counter() - start_s
         self._count(layer, expert_ids, hosted, compute_s)
         return out, compute_s

@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN
 from splitmoe.kernels.quants import QuantTensor
+
+if TYPE_CHECKING:
+    from splitmoe.modelfile.lora_adapter import AdapterRef
 
 __all__ = ["AdaptedExperts", "ExpertLayerLora", "LoraPair", "LoraRows", "by_layer", "check_rows"]
 
@@ -80,6 +83,7 @@ class ExpertLayerLora:
     gate: LoraPair | None = None
     up: LoraPair | None = None
     down: LoraPair | None = None
+    adapter: AdapterRef | None = None  # the file they came from: what a hop names to an expert service
 
     def __post_init__(self) -> None:
         pairs = [p for p in (self.gate, self.up, self.down) if p is not None]
@@ -101,10 +105,11 @@ LoraRows = Sequence[tuple[ExpertLayerLora, torch.Tensor]]
 """(an adapter's tensors for this layer, the int64 rows of `hidden` that use it); rows in no entry use the base."""
 
 
-def by_layer(tensors: Mapping[str, Any]) -> dict[int, ExpertLayerLora]:
+def by_layer(tensors: Mapping[str, Any], adapter: AdapterRef | None = None) -> dict[int, ExpertLayerLora]:
     """An adapter's routed-expert tensors (`LoraAdapter.expert_side()`: base name -> a LoraTensor, or
     anything with float `a` [E, r, in], `b` [E, out, r] and `scale`) by layer. Only the stacked
-    `blk.N.ffn_{gate,up,down}_exps.weight` are applied: any other name is refused, naming it."""
+    `blk.N.ffn_{gate,up,down}_exps.weight` are applied: any other name is refused, naming it.
+    `adapter` (`LoraAdapter.ref`): where they came from, for expert services (RemoteExperts)."""
     parts: dict[int, dict[str, LoraPair]] = {}
     for name, t in tensors.items():
         m = _EXPERT_TENSOR.match(name)
@@ -113,7 +118,7 @@ def by_layer(tensors: Mapping[str, Any]) -> dict[int, ExpertLayerLora]:
                              "experts, blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps.weight are)")
         a, b = (v.detach().to("cpu", torch.float32).contiguous() for v in (t.a, t.b))
         parts.setdefault(int(m[1]), {})[m[2]] = LoraPair(a, b, float(t.scale))
-    return {layer: ExpertLayerLora(**found) for layer, found in sorted(parts.items())}
+    return {layer: ExpertLayerLora(**found, adapter=adapter) for layer, found in sorted(parts.items())}
 
 
 def check_rows(lora: LoraRows, num_rows: int) -> list[tuple[ExpertLayerLora, torch.Tensor]]:

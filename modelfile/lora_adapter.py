@@ -31,7 +31,7 @@ from splitmoe.kernels.quants import dequantize
 from splitmoe.kernels.repack_cache import tensor_digest
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
 
-__all__ = ["LoraAdapter", "LoraAdapterError", "LoraTensor", "adapter_identity", "is_routed_expert",
+__all__ = ["AdapterRef", "LoraAdapter", "LoraAdapterError", "LoraTensor", "adapter_identity", "is_routed_expert",
            "load_lora_adapter"]
 
 # The routed experts' matrices: the stacked 3-D layout (`ffn_gate_exps`, and the fused `ffn_gate_up_exps`)
@@ -62,6 +62,15 @@ class LoraTensor:
         return self.scale * (self.b @ self.a)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """An adapter as a hop names it to an expert service, which loads the file at `path` itself and
+    computes with it only if its `identity` is this one (the two services may read different files)."""
+    name: str
+    path: str
+    identity: str
+
+
 @dataclass(frozen=True)
 class LoraAdapter:
     name: str
@@ -75,6 +84,10 @@ class LoraAdapter:
     def rank(self) -> int:
         """The largest rank of any tensor (what `--max-lora-rank` bounds)."""
         return max((t.rank for t in self.tensors.values()), default=0)
+
+    @property
+    def ref(self) -> AdapterRef:
+        return AdapterRef(self.name, str(self.path), self.identity)
 
     def attention_side(self) -> dict[str, LoraTensor]:
         """What the attention service applies: everything but the routed experts."""

@@ -18,6 +18,12 @@ Unix socket (advertised as `ShardInfo.doorbell`) and each attention connection:
 - gets back a `REPLY` header (40 bytes, plus an error message when status is not OK) once the
   service wrote its output into the slot's output area.
 
+A hop some of whose rows use LoRA adapters is a `KIND_FORWARD_LORA` request: the same header and
+tail, then the adapters (`adapters_message`: each one's name, path and identity; a few hundred
+bytes), and in the slot, after the output area, each row's adapter (`lora_rows_view`: int32 [T],
+an index into that list, -1 for the base). The C++ loop serves `KIND_FORWARD` only: it hands these
+to Python, which loads the adapters (expert_service/adapters.py) and applies them.
+
 Replies come in request order. The socket is also the failure detector: a dead service is an
 EOF or ECONNRESET at once, a hung one a receive timeout. gRPC keeps setup, control (LoadShard,
 GetStats, health) and the cross-host path.
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitmoe.proto import codec
+from splitmoe.proto import codec, expert_pb2
 from splitmoe.proto.shm import Peer, ShmRegion, align_up, tensor_nbytes
 
 VERSION = 2
@@ -45,6 +51,7 @@ NONCE_BYTES = 32
 KIND_HELLO = 1
 KIND_FORWARD = 2
 KIND_PROOF = 3
+KIND_FORWARD_LORA = 4  # a hop with LoRA rows (see the module docstring); answered as a KIND_FORWARD
 STATUS_OK = 0
 STATUS_ERROR = 1
 
@@ -85,6 +92,31 @@ def slot_layout(num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtyp
     weights = ids + routing_bytes
     output = weights + routing_bytes
     return SlotLayout(0, ids, weights, output, output + hidden_bytes)
+
+
+def lora_slot_bytes(num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """A slot's size for a hop with LoRA rows: `slot_layout`'s, then each row's adapter (int32 [T])."""
+    return slot_layout(num_tokens, top_k, hidden_size, dtype).num_bytes + align_up(num_tokens * 4)
+
+
+def lora_rows_view(region: ShmRegion, num_tokens: int, top_k: int, hidden_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Each row's adapter in a KIND_FORWARD_LORA hop's slot: int32 [T], an index into the request's
+    adapters, -1 for the base (after the output area: the C++ loop's offsets stay as they are)."""
+    offset = slot_layout(num_tokens, top_k, hidden_size, dtype).num_bytes
+    return region.view(offset, (num_tokens,), torch.int32)
+
+
+def adapters_message(adapters: list[tuple[str, str, str]]) -> bytes:
+    """The adapters of a KIND_FORWARD_LORA request, (name, path, identity) each: an ExpertRequest
+    holding only `lora`, whose rows are in the slot instead."""
+    request = expert_pb2.ExpertRequest(lora=[expert_pb2.LoraRows(name=n, path=p, identity=i) for n, p, i in adapters])
+    return request.SerializeToString()
+
+
+def parse_adapters(data: bytes) -> list[tuple[str, str, str]]:
+    request = expert_pb2.ExpertRequest.FromString(bytes(data))
+    return [(entry.name, entry.path, entry.identity) for entry in request.lora]
 
 
 class SlotTooSmall(ValueError):

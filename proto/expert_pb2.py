@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitmoe.proto import tensor_pb2 as splitmoe_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitmoe/proto/expert.proto\x12\x0bsplitmoe.v1\x1a\x1bsplitmoe/proto/tensor.proto\"\x16\n\x14\x44\x65scribeShardRequest\"`\n\x10LoadShardRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12+\n\x08\x62y_layer\x18\x03 \x03(\x0b\x32\x19.splitmoe.v1.LayerExperts\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\"\x94\x02\n\tShardInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0f\n\x07\x66ile_id\x18\x03 \x01(\t\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x05 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x13\n\x0bnum_threads\x18\t \x01(\x05\x12\x10\n\x08\x64oorbell\x18\n \x01(\t\x12+\n\x08\x62y_layer\x18\x0b \x03(\x0b\x32\x19.splitmoe.v1.LayerExperts\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\"\xb6\x02\n\rExpertRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\'\n\nexpert_ids\x18\x04 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12+\n\x0e\x65xpert_weights\x18\x05 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.splitmoe.v1.ExpertRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x06\x10\x07R\noutput_shm\"w\n\x0e\x45xpertResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06output\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"m\n\x0b\x45xpertStats\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_s_total\x18\x05 \x01(\x01\x32\xa8\x02\n\rExpertService\x12J\n\rDescribeShard\x12!.splitmoe.v1.DescribeShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x42\n\tLoadShard\x12\x1d.splitmoe.v1.LoadShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x46\n\x07\x46orward\x12\x1a.splitmoe.v1.ExpertRequest\x1a\x1b.splitmoe.v1.ExpertResponse(\x01\x30\x01\x12?\n\x08GetStats\x12\x19.splitmoe.v1.StatsRequest\x1a\x18.splitmoe.v1.ExpertStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitmoe/proto/expert.proto\x12\x0bsplitmoe.v1\x1a\x1bsplitmoe/proto/tensor.proto\"\x16\n\x14\x44\x65scribeShardRequest\"`\n\x10LoadShardRequest\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12+\n\x08\x62y_layer\x18\x03 \x03(\x0b\x32\x19.splitmoe.v1.LayerExperts\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\"\x94\x02\n\tShardInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0f\n\x07\x66ile_id\x18\x03 \x01(\t\x12\x0e\n\x06layers\x18\x04 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x05 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x13\n\x0bnum_threads\x18\t \x01(\x05\x12\x10\n\x08\x64oorbell\x18\n \x01(\t\x12+\n\x08\x62y_layer\x18\x0b \x03(\x0b\x32\x19.splitmoe.v1.LayerExperts\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\"\xdb\x02\n\rExpertRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\'\n\nexpert_ids\x18\x04 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12+\n\x0e\x65xpert_weights\x18\x05 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x43\n\rtrace_context\x18\x07 \x03(\x0b\x32,.splitmoe.v1.ExpertRequest.TraceContextEntry\x12#\n\x04lora\x18\x08 \x03(\x0b\x32\x15.splitmoe.v1.LoraRows\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x06\x10\x07R\noutput_shm\"F\n\x08LoraRows\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x10\n\x08identity\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x03(\x05\"w\n\x0e\x45xpertResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x06output\x18\x03 \x01(\x0b\x32\x13.splitmoe.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"m\n\x0b\x45xpertStats\x12\x0e\n\x06layers\x18\x01 \x03(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_s_total\x18\x05 \x01(\x01\x32\xa8\x02\n\rExpertService\x12J\n\rDescribeShard\x12!.splitmoe.v1.DescribeShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x42\n\tLoadShard\x12\x1d.splitmoe.v1.LoadShardRequest\x1a\x16.splitmoe.v1.ShardInfo\x12\x46\n\x07\x46orward\x12\x1a.splitmoe.v1.ExpertRequest\x1a\x1b.splitmoe.v1.ExpertResponse(\x01\x30\x01\x12?\n\x08GetStats\x12\x19.splitmoe.v1.StatsRequest\x1a\x18.splitmoe.v1.ExpertStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,15 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDINFO']._serialized_start=244
   _globals['_SHARDINFO']._serialized_end=520
   _globals['_EXPERTREQUEST']._serialized_start=523
-  _globals['_EXPERTREQUEST']._serialized_end=833
-  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_start=764
-  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_end=815
-  _globals['_EXPERTRESPONSE']._serialized_start=835
-  _globals['_EXPERTRESPONSE']._serialized_end=954
-  _globals['_STATSREQUEST']._serialized_start=956
-  _globals['_STATSREQUEST']._serialized_end=970
-  _globals['_EXPERTSTATS']._serialized_start=972
-  _globals['_EXPERTSTATS']._serialized_end=1081
-  _globals['_EXPERTSERVICE']._serialized_start=1084
-  _globals['_EXPERTSERVICE']._serialized_end=1380
+  _globals['_EXPERTREQUEST']._serialized_end=870
+  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_start=801
+  _globals['_EXPERTREQUEST_TRACECONTEXTENTRY']._serialized_end=852
+  _globals['_LORAROWS']._serialized_start=872
+  _globals['_LORAROWS']._serialized_end=942
+  _globals['_EXPERTRESPONSE']._serialized_start=944
+  _globals['_EXPERTRESPONSE']._serialized_end=1063
+  _globals['_STATSREQUEST']._serialized_start=1065
+  _globals['_STATSREQUEST']._serialized_end=1079
+  _globals['_EXPERTSTATS']._serialized_start=1081
+  _globals['_EXPERTSTATS']._serialized_end=1190
+  _globals['_EXPERTSERVICE']._serialized_start=1193
+  _globals['_EXPERTSERVICE']._serialized_end=1489
 # @@protoc_insertion_point(module_scope)

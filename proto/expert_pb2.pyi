@@ -60,7 +60,7 @@ class ShardInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., file_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., experts: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hostname: _Optional[str] = ..., num_threads: _Optional[int] = ..., doorbell: _Optional[str] = ..., by_layer: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., instance_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "trace_context")
+    __slots__ = ("step_id", "layer", "hidden", "expert_ids", "expert_weights", "trace_context", "lora")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,13 +74,27 @@ class ExpertRequest(_message.Message):
     EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     layer: int
     hidden: _tensor_pb2.Tensor
     expert_ids: _tensor_pb2.Tensor
     expert_weights: _tensor_pb2.Tensor
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lora: _containers.RepeatedCompositeFieldContainer[LoraRows]
+    def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., lora: _Optional[_Iterable[_Union[LoraRows, _Mapping]]] = ...) -> None: ...
+
+class LoraRows(_message.Message):
+    __slots__ = ("name", "path", "identity", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    identity: str
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., identity: _Optional[str] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExpertResponse(_message.Message):
     __slots__ = ("step_id", "layer", "output", "compute_s", "error")

@@ -13,7 +13,7 @@ from typing import Callable
 import grpc
 import torch
 
-from splitmoe.attention_service.expert_backends.shm_link import HopFailed, Reply, spans_exported
+from splitmoe.attention_service.expert_backends.shm_link import HopFailed, HopLora, Reply, spans_exported
 from splitmoe.proto import codec, expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.telemetry import inject_grpc_metadata
 
@@ -88,7 +88,7 @@ class GrpcLink:
         self._stream = ForwardStream(stub, lambda error: on_end(self, error))
 
     def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> tuple[GrpcTicket, int]:
+               expert_weights: torch.Tensor, lora: HopLora | None = None) -> tuple[GrpcTicket, int]:
         """(the hop's ticket, tensor bytes sent)."""
         start_s = time.perf_counter()
         step_id = next(self._step_ids)
@@ -98,6 +98,8 @@ class GrpcLink:
         codec.encode(hidden if rows is None else hidden.index_select(0, rows), request.hidden)
         codec.encode(expert_ids.to(torch.int32), request.expert_ids)
         codec.encode(expert_weights if rows is None else expert_weights.index_select(0, rows), request.expert_weights)
+        for ref, lora_rows in lora or ():
+            request.lora.add(name=ref.name, path=ref.path, identity=ref.identity, rows=lora_rows.tolist())
         sent_bytes = len(request.hidden.data) + len(request.expert_ids.data) + len(request.expert_weights.data)
         return GrpcTicket(self._stream.submit(request), step_id, start_s), sent_bytes
 

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from splitmoe.kernels.expert_lora import LoraRows
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard
 from splitmoe.modelfile.gguf_file import GGUFFile
@@ -47,8 +48,9 @@ class HotExperts:
         return torch.where(mine, expert_ids, _NOT_WANTED), torch.where(mine, _NOT_WANTED, expert_ids)
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                expert_weights: torch.Tensor) -> torch.Tensor:
-        return self.shard.forward(layer, hidden, expert_ids, expert_weights)
+                expert_weights: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        """`lora`: the adapters' rows (kernels/expert_lora.py), as `ExpertShard.forward` takes them."""
+        return self.shard.forward(layer, hidden, expert_ids, expert_weights, lora=lora)
 
 
 class PlusLocal:

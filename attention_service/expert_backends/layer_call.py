@@ -21,6 +21,7 @@ import torch
 from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable
 from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError, Hop, HopFailed
 from splitmoe.attention_service.expert_backends.services import NOT_WANTED, ExpertServices, ServicePart
+from splitmoe.attention_service.expert_backends.shm_link import HopLora
 from splitmoe.kernels import native
 
 
@@ -38,14 +39,15 @@ class InFlightCalls:
         self._calls: collections.deque[LayerCall] = collections.deque()
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
-               new_output: Callable[[torch.Size], torch.Tensor] | None = None) -> "LayerCall":
+               new_output: Callable[[torch.Size], torch.Tensor] | None = None,
+               lora: HopLora | None = None) -> "LayerCall":
         """`new_output(shape)`: where the call's float32 sum goes (a page-locked buffer when the
-        answer continues to a GPU); default: a new tensor."""
+        answer continues to a GPU); default: a new tensor. `lora`: the adapters some rows use."""
         with self._lock:
             while len(self._calls) >= self._max_calls:
                 self._calls.popleft().collect_locked()  # a call past the limit: the oldest must finish first
             call = LayerCall(self._services, self.collect, layer, hidden, expert_ids, expert_weights,
-                             new_output or _new_output)
+                             new_output or _new_output, lora)
             self._calls.append(call)
             call.send_locked(expert_ids)
         return call
@@ -75,10 +77,11 @@ class LayerCall:
 
     def __init__(self, services: ExpertServices, collect: Callable[["LayerCall"], None], layer: int,
                  hidden: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
-                 new_output: Callable[[torch.Size], torch.Tensor] = None):
+                 new_output: Callable[[torch.Size], torch.Tensor] = None, lora: HopLora | None = None):
         self._services, self._collect = services, collect
         self._new_output = new_output or _new_output
         self._layer = layer
+        self._lora = lora
         # (each torch call costs microseconds: only the conversions needed)
         self._hidden = hidden.detach() if hidden.requires_grad else hidden
         weights = expert_weights.detach() if expert_weights.requires_grad else expert_weights
@@ -106,8 +109,9 @@ class LayerCall:
         try:
             clients = self._services.clients
             for part in self._services.plan(self._layer, work):
+                lora = self._lora and lora_of_part(self._lora, part.rows, self._hidden.shape[0])
                 self._hops.append(clients[part.service].submit(self._layer, self._hidden, part.rows, part.expert_ids,
-                                                               self._weights))
+                                                               self._weights, lora))
                 self._parts.append(part)
         except Exception as e:  # noqa: BLE001 - handed to the waiter
             self._error = e
@@ -161,6 +165,21 @@ class LayerCall:
             out.zero_()
         add_part(out, rows, part_out)
         return out
+
+
+def lora_of_part(lora: HopLora, part_rows: torch.Tensor | None, num_rows: int) -> HopLora | None:
+    """The adapters of a part's rows, those rows numbered as the part sends them (0.. in `part_rows`' order)."""
+    if part_rows is None:
+        return lora
+    position = torch.full((num_rows,), -1, dtype=torch.int64)
+    position[part_rows] = torch.arange(part_rows.numel())
+    found = []
+    for ref, rows in lora:
+        mine = position[rows]
+        mine = mine[mine >= 0]
+        if mine.numel():
+            found.append((ref, mine))
+    return found or None
 
 
 def unfinished_work(shape: torch.Size, parts: list[ServicePart]) -> torch.Tensor:

@@ -19,6 +19,7 @@ with the new set of services.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -37,8 +38,10 @@ from splitmoe.attention_service.expert_backends.membership import Candidate, Cha
 from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable, Placement, ServiceShard, reshare
 from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError, HopFailed
 from splitmoe.attention_service.expert_backends.services import ExpertServices, RemoteExpertsSettings
+from splitmoe.attention_service.expert_backends.shm_link import HopLora
 from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
+from splitmoe.kernels.expert_lora import LoraRows
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count, load_layer_experts, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
@@ -64,6 +67,9 @@ class RemoteExperts:
     """Routed experts computed by expert services; see the module docstring."""
 
     max_in_flight = 2  # layer calls submitted and not yet waited for (proto.doorbell.NUM_SLOTS)
+    # LoRA adapters on routed experts: each hop names its rows' adapters, which the services load
+    # themselves (expert_service/adapters.py); local layers and hot experts apply them here.
+    takes_lora = True
 
     def __init__(self, g: GGUFFile, settings: RemoteExpertsSettings, repack_cache: RepackCache | None = None):
         self.settings = settings
@@ -99,19 +105,21 @@ class RemoteExperts:
     # ---- ExpertBackend --------------------------------------------------------------------------
 
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                expert_weights: torch.Tensor) -> torch.Tensor:
-        """The layer's summed expert output [T, D], float32, on hidden's device."""
-        return self.submit(layer, hidden, expert_ids, expert_weights).wait()
+                expert_weights: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        """The layer's summed expert output [T, D], float32, on hidden's device. `lora`: (an
+        adapter's tensors for this layer, its rows) pairs (model/lora.py StepLora.expert_rows)."""
+        return self.submit(layer, hidden, expert_ids, expert_weights, lora).wait()
 
     def submit(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> ExpertsHandle:
+               expert_weights: torch.Tensor, lora: LoraRows | None = None) -> ExpertsHandle:
         """Send the layer's parts now; the handle's `wait()` collects them (see ExpertBackend).
 
         From a GPU the three tensors come to the host together (one wait: gpu/hop_copies.py) and
         the answer goes back asynchronously when waited for. The one device check of a layer call."""
+        start = self._submit_host if not lora else functools.partial(self._submit_host, lora=lora)
         if hidden.device.type == "cpu":
-            return self._submit_host(layer, hidden, expert_ids, expert_weights)
-        return self.copies.submit(self._submit_host, layer, hidden, expert_ids, expert_weights)
+            return start(layer, hidden, expert_ids, expert_weights)
+        return self.copies.submit(start, layer, hidden, expert_ids, expert_weights)
 
     def submit_ahead(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                      expert_weights: torch.Tensor) -> ExpertsHandle:
@@ -120,17 +128,18 @@ class RemoteExperts:
         return self.copies.submit_ahead(self._ahead, self._submit_host, layer, hidden, expert_ids, expert_weights)
 
     def _submit_host(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, expert_weights: torch.Tensor,
-                     new_output=None) -> ExpertsHandle:
+                     new_output=None, lora: LoraRows | None = None) -> ExpertsHandle:
         """`submit` on host tensors; `new_output`: where the services' sum goes (layer_call.py)."""
         self.heat.add(layer, ids)
-        if layer in self._local_layers:
-            return Ready(self._local.forward(layer, hidden, ids, expert_weights))
+        if layer in self._local_layers:  # computed here: the adapters' tensors as they are
+            return Ready(self._local.forward(layer, hidden, ids, expert_weights, lora=lora))
+        hop_lora = adapters_of(lora) if lora else None  # the services are told which files
         hot = self._hot  # read once: a rebalance replaces it whole
         if hot is None or not hot.has_layer(layer):
-            return self._in_flight.submit(layer, hidden, ids, expert_weights, new_output)
+            return self._in_flight.submit(layer, hidden, ids, expert_weights, new_output, hop_lora)
         here, there = hot.split(layer, ids)
-        handle = self._in_flight.submit(layer, hidden, there, expert_weights, new_output)  # the services start first
-        return PlusLocal(handle, hot.forward(layer, hidden, here, expert_weights))
+        handle = self._in_flight.submit(layer, hidden, there, expert_weights, new_output, hop_lora)  # services first
+        return PlusLocal(handle, hot.forward(layer, hidden, here, expert_weights, lora))
 
     # ---- placement by load ----------------------------------------------------------------------
 
@@ -341,3 +350,13 @@ class RemoteExperts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def adapters_of(lora: LoraRows) -> HopLora:
+    """Each adapter's file (its name, path and identity, which a hop names) and rows."""
+    found = []
+    for layer_lora, rows in lora:
+        if layer_lora.adapter is None:
+            raise ValueError("LoRA expert tensors without their adapter file: expert services load the file themselves")
+        found.append((layer_lora.adapter, rows.to("cpu", torch.int64)))
+    return found

@@ -31,7 +31,7 @@ from splitmoe.attention_service.expert_backends.backend import HopStats
 from splitmoe.attention_service.expert_backends.grpc_link import GrpcLink
 from splitmoe.attention_service.expert_backends.hop_budget import HopBudget
 from splitmoe.attention_service.expert_backends.placement import ServiceShard
-from splitmoe.attention_service.expert_backends.shm_link import HopFailed, Link, Reply, ShmLink, Ticket
+from splitmoe.attention_service.expert_backends.shm_link import HopFailed, HopLora, Link, Reply, ShmLink, Ticket
 from splitmoe.modelfile.expert_tensors import ExpertKey
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
@@ -311,9 +311,10 @@ class ExpertServiceClient:
     # ---- the data path --------------------------------------------------------------------------
 
     def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None,
-               expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> Hop:
+               expert_ids: torch.Tensor, expert_weights: torch.Tensor, lora: HopLora | None = None) -> Hop:
         """Send one layer's part without waiting: hops to several services, and several hops to
-        one service (up to proto.doorbell.NUM_SLOTS), overlap."""
+        one service (up to proto.doorbell.NUM_SLOTS), overlap. `lora`: the adapters some of the
+        part's rows use, those rows numbered within the part."""
         if self._abandoned:  # only when no replica was left: its slots and order first
             self.read_abandoned(block=True)
         link = self._conn.link
@@ -322,7 +323,10 @@ class ExpertServiceClient:
             return Hop(None, None, layer, sent_s, 0, error=self.last_error)
         num_rows = hidden.shape[0] if rows is None else rows.numel()
         try:
-            ticket, sent_bytes = link.submit(layer, hidden, rows, expert_ids, expert_weights)
+            if lora:
+                ticket, sent_bytes = link.submit(layer, hidden, rows, expert_ids, expert_weights, lora)
+            else:
+                ticket, sent_bytes = link.submit(layer, hidden, rows, expert_ids, expert_weights)
         except (OSError, ValueError) as e:  # e.g. /dev/shm full, a dead socket: fails over like any other
             return Hop(link, None, layer, sent_s, 0, num_rows, error=_one_line(e))
         return Hop(link, ticket, layer, sent_s, sent_bytes, num_rows)

@@ -27,10 +27,13 @@ from typing import Any, Callable, Protocol
 import torch
 from opentelemetry import trace
 
+from splitmoe.modelfile.lora_adapter import AdapterRef
 from splitmoe.proto import doorbell
 from splitmoe.proto.shm import ShmRegion
 
 Ticket = Any  # what a link's submit returned, for its wait: each link has its own
+HopLora = list[tuple[AdapterRef, torch.Tensor]]
+"""The LoRA adapters some rows of one hop use, and those rows (int64, numbered as the hop's own rows)."""
 
 
 class HopFailed(Exception):
@@ -52,8 +55,9 @@ class Link(Protocol):
     name: str  # the transport, as health and stats report it
 
     def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> tuple[Ticket, int]:
-        """Send hidden[rows] (every row when None) with their routing; (the hop's ticket, tensor bytes sent)."""
+               expert_weights: torch.Tensor, lora: HopLora | None = None) -> tuple[Ticket, int]:
+        """Send hidden[rows] (every row when None) with their routing, and the adapters some of
+        those rows use (`lora`); (the hop's ticket, tensor bytes sent)."""
         ...
 
     def wait(self, ticket: Ticket, deadline_s: float, timeout_s: float) -> Reply:
@@ -96,6 +100,16 @@ def traceparent() -> bytes:
 # ---- the shared-memory link -----------------------------------------------------------------------
 
 
+def _lora_into(region: ShmRegion, lora: HopLora, num_tokens: int, top_k: int, hidden_size: int,
+               dtype: torch.dtype) -> bytes:
+    """Each row's adapter written into the slot; the adapters as the request's tail carries them."""
+    index = doorbell.lora_rows_view(region, num_tokens, top_k, hidden_size, dtype)
+    index.fill_(-1)
+    for i, (_, rows) in enumerate(lora):
+        index[rows] = i
+    return doorbell.adapters_message([(ref.name, ref.path, ref.identity) for ref, _ in lora])
+
+
 class _Slot:
     """One hop's shared-memory region, created here, grown to the largest hop."""
 
@@ -103,15 +117,21 @@ class _Slot:
         self.mapped = doorbell.Slot(ShmRegion.create(max(initial_bytes, 4096)))
         self.unannounced = True   # the service has not been told this region's name yet
 
-    def views(self, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype) -> doorbell.SlotViews:
+    def views(self, num_tokens: int, top_k: int, hidden_size: int, dtype: torch.dtype,
+              lora: bool = False) -> doorbell.SlotViews:
+        """`lora`: room for each row's adapter too (doorbell.lora_rows_view)."""
+        if lora and doorbell.lora_slot_bytes(num_tokens, top_k, hidden_size, dtype) > self.mapped.region.num_bytes:
+            self._grow(doorbell.lora_slot_bytes(num_tokens, top_k, hidden_size, dtype))
         try:
             return self.mapped.views(num_tokens, top_k, hidden_size, dtype)
         except doorbell.SlotTooSmall:
-            num_bytes = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype).num_bytes
-            grown = ShmRegion.create(max(num_bytes, 2 * self.mapped.region.num_bytes))
-            self.mapped.close()
-            self.mapped, self.unannounced = doorbell.Slot(grown), True
+            self._grow(doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype).num_bytes)
             return self.mapped.views(num_tokens, top_k, hidden_size, dtype)
+
+    def _grow(self, num_bytes: int) -> None:
+        grown = ShmRegion.create(max(num_bytes, 2 * self.mapped.region.num_bytes))
+        self.mapped.close()
+        self.mapped, self.unannounced = doorbell.Slot(grown), True
 
     def close(self) -> None:
         self.mapped.close()
@@ -165,8 +185,9 @@ class ShmLink:
         threading.Thread(target=self._watch, name="expert-doorbell-watch", daemon=True).start()
 
     def submit(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None, expert_ids: torch.Tensor,
-               expert_weights: torch.Tensor) -> tuple[ShmTicket, int]:
-        """(the hop's ticket, tensor bytes written); the tensors go straight into a free slot."""
+               expert_weights: torch.Tensor, lora: HopLora | None = None) -> tuple[ShmTicket, int]:
+        """(the hop's ticket, tensor bytes written); the tensors go straight into a free slot, and
+        with `lora` each row's adapter too (a KIND_FORWARD_LORA request: see proto/doorbell.py)."""
         start_ns = time.monotonic_ns()
         if not self._free:
             raise RuntimeError(f"more than {doorbell.NUM_SLOTS} hops in flight on one connection")
@@ -175,7 +196,7 @@ class ShmLink:
             slot = self._slots[index]
             num_tokens, top_k = expert_ids.shape
             hidden_size = hidden.shape[1]
-            views = slot.views(num_tokens, top_k, hidden_size, hidden.dtype)
+            views = slot.views(num_tokens, top_k, hidden_size, hidden.dtype, lora=bool(lora))
             if rows is None:
                 views.hidden.copy_(hidden)
                 views.expert_weights.copy_(expert_weights)
@@ -183,17 +204,22 @@ class ShmLink:
                 torch.index_select(hidden, 0, rows, out=views.hidden)
                 torch.index_select(expert_weights, 0, rows, out=views.expert_weights)
             views.expert_ids.copy_(expert_ids)
-            self._seq += 1
             region = slot.mapped.region
+            adapters = _lora_into(region, lora, num_tokens, top_k, hidden_size, hidden.dtype) if lora else b""
             announced = doorbell.announcement(region.name, region.num_bytes) if slot.unannounced else b""
             trace_context = traceparent()
-            doorbell.REQUEST.pack_into(self._send, 0, doorbell.KIND_FORWARD, views.wire_dtype, index, layer,
-                                       num_tokens, top_k, hidden_size, self._seq, len(announced), len(trace_context))
             length = doorbell.REQUEST.size
-            if announced or trace_context:
-                tail = announced + trace_context
+            if announced or trace_context or adapters:
+                tail = announced + trace_context + adapters
+                if length + len(tail) > len(self._send):
+                    raise ValueError(f"a hop's LoRA adapters take {len(adapters)} bytes: too many, or their "
+                                     f"paths too long, for the {doorbell.MAX_MESSAGE_BYTES}-byte doorbell message")
                 self._send[length:length + len(tail)] = tail
                 length += len(tail)
+            self._seq += 1
+            kind = doorbell.KIND_FORWARD_LORA if lora else doorbell.KIND_FORWARD
+            doorbell.REQUEST.pack_into(self._send, 0, kind, views.wire_dtype, index, layer,
+                                       num_tokens, top_k, hidden_size, self._seq, len(announced), len(trace_context))
             sent_ns = time.monotonic_ns()
             self._sock.send(self._send_view[:length])
         except BaseException:

@@ -50,7 +50,7 @@ class AdapterWeights:
             from splitmoe.kernels.expert_lora import by_layer
 
             try:
-                experts = by_layer(expert_side)
+                experts = by_layer(expert_side, adapter.ref)
             except ValueError as e:
                 raise ValueError(f"{adapter.path}: {e}") from None
         key = int.from_bytes(hashlib.sha256(adapter.identity.encode()).digest()[:8], "little") >> 1

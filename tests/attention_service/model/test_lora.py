@@ -148,5 +148,5 @@ def test_the_registry_loads_lists_and_refuses(base, tmp_path):
         LoraAdapters(base, "b", LoraSettings(max_lora_rank=2)).load("a", str(ADAPTERS["attn"]))
     remote = LoraAdapters(base, "b", LoraSettings(), remote_experts=True)
     remote.load("a", str(ADAPTERS["attn"]))  # attention-side tensors: applied here whatever runs the experts
-    with pytest.raises(ValueError, match="expert services"):
+    with pytest.raises(ValueError, match="does not apply adapters"):
         remote.load("e", str(ADAPTERS["experts"]))
