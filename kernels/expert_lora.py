@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from splitmoe.kernels import expert_kernels as ek
 from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN
 from splitmoe.kernels.quants import QuantTensor
-
-if TYPE_CHECKING:
-    from splitmoe.modelfile.lora_adapter import AdapterRef
 
 __all__ = ["AdaptedExperts", "ExpertLayerLora", "LoraPair", "LoraRows", "by_layer", "check_rows"]
 
@@ -83,7 +80,7 @@ class ExpertLayerLora:
     gate: LoraPair | None = None
     up: LoraPair | None = None
     down: LoraPair | None = None
-    adapter: AdapterRef | None = None  # the file they came from: what a hop names to an expert service
+    adapter: Any = None  # the file they came from: what a hop names to an expert service
 
     def __post_init__(self) -> None:
         pairs = [p for p in (self.gate, self.up, self.down) if p is not None]
@@ -105,7 +102,7 @@ LoraRows = Sequence[tuple[ExpertLayerLora, torch.Tensor]]
 """(an adapter's tensors for this layer, the int64 rows of `hidden` that use it); rows in no entry use the base."""
 
 
-def by_layer(tensors: Mapping[str, Any], adapter: AdapterRef | None = None) -> dict[int, ExpertLayerLora]:
+def by_layer(tensors: Mapping[str, Any], adapter: Any = None) -> dict[int, ExpertLayerLora]:
     """An adapter's routed-expert tensors (`LoraAdapter.expert_side()`: base name -> a LoraTensor, or
     anything with float `a` [E, r, in], `b` [E, out, r] and `scale`) by layer. Only the stacked
     `blk.N.ffn_{gate,up,down}_exps.weight` are applied: any other name is refused, naming it.
