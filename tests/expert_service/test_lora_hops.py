@@ -25,6 +25,7 @@ from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.lora_adapter import AdapterRef, adapter_identity, load_lora_adapter
 from splitmoe.proto import doorbell
+from tests.attention_service.model.test_lora import logits
 from tests.support.expert_services import ExpertServices, remote_experts
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -60,17 +61,6 @@ def adapter(base, path: Path, name: str = "experts") -> AdapterWeights:
     return AdapterWeights.of(load_lora_adapter(path, base, name))
 
 
-def step_logits(runner: ModelRunner, seqs: list[Sequence]) -> list[torch.Tensor]:
-    """Every prompt token's logits of each sequence, all in one step."""
-    out = runner.step(seqs, all_logits=True)
-    rows, start = [], 0
-    for s in seqs:
-        rows.append(out[start:start + s.num_tokens])
-        start += s.num_tokens
-        runner.release(s)
-    return rows
-
-
 def both(services, base, transport: str):
     return remote_experts(base, services.address("low"), services.address("high"), transport=transport,
                           expert_timeout_s=10.0)
@@ -83,7 +73,7 @@ def test_float32_logits_match_peft_through_two_services(services, base, refs, tr
     with both(services, base, transport) as backend:
         runner = ModelRunner.from_gguf(base, OPTIONS, experts=backend)
         for i, p in enumerate(("p0", "p1")):
-            [got] = step_logits(runner, [Sequence(i, refs[f"prompts/{p}"].tolist(), lora=lora)])
+            [got] = logits(runner, [Sequence(i, refs[f"prompts/{p}"].tolist(), lora=lora)])
             assert (got - torch.from_numpy(refs[f"experts/{p}/logits"])).abs().max() <= F32_TOL, p
         assert {h.transport for h in backend.health().values()} == {transport}
     # the adapter moves the logits well past that bound: the comparison can tell
@@ -99,7 +89,7 @@ def test_one_step_mixes_base_and_adapted_rows(services, base, refs, transport):
         runner = ModelRunner.from_gguf(base, OPTIONS, experts=backend)
         seqs = [Sequence(i, refs[f"prompts/{p}"].tolist(), lora=lora if n == "experts" else None)
                 for i, (n, p) in enumerate(plan)]
-        got = step_logits(runner, seqs)
+        got = logits(runner, seqs)
     for out, (n, p) in zip(got, plan):
         assert (out - torch.from_numpy(refs[f"{n}/{p}/logits"])).abs().max() <= F32_TOL, (n, p)
 
@@ -127,7 +117,7 @@ def test_another_file_at_the_path_fails_the_request_and_the_services_stay_usable
         path.unlink()
         with pytest.raises(ExpertRequestError, match=f"cannot load {re.escape(str(path))}"):
             ModelRunner.from_gguf(base, OPTIONS, experts=backend).step([Sequence(1, prompt, lora=lora)])
-        [got] = step_logits(ModelRunner.from_gguf(base, OPTIONS, experts=backend), [Sequence(2, prompt)])
+        [got] = logits(ModelRunner.from_gguf(base, OPTIONS, experts=backend), [Sequence(2, prompt)])
         assert all(h.healthy for h in backend.health().values())
     assert (got - torch.from_numpy(refs["base/p0/logits"])).abs().max() <= F32_TOL
 

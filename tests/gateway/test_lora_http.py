@@ -22,12 +22,11 @@ from splitmoe.gateway.settings import GatewaySettings
 from tests.support.gateway_http import (
     GatewayStack,
     assert_openai_error,
+    gateway_over_attention,
     metric,
     running_gateway,
     sse_chunks,
-    wait_http,
 )
-from tests.support.processes import free_port, spawn, stop
 
 pytestmark = pytest.mark.stack  # the gateway and the attention service as real processes (but the last test)
 
@@ -45,20 +44,10 @@ SUCCESS_REMOVED = "Success: LoRA adapter '{}' removed successfully."
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[GatewayStack]:
-    log_dir = tmp_path_factory.mktemp("lora")
-    port = free_port()
-    attention = spawn(["serve-attention", str(DATA / "base-qwen3moe.gguf"), "--port", str(port), "--dtype", "float32",
-                       "--lora-modules", f"{ADAPTER}={ATTN_LORA}", "--max-loras", "2"], log_dir / "attention.log")
-    try:
-        with running_gateway(port, log_dir / "gateway.log", "--api-key", API_KEY) as url:
-            try:
-                wait_http(url + "/health", attention, lambda r: r.status_code == 200)
-            except Exception:
-                print((log_dir / "attention.log").read_text(errors="replace")[-4000:])
-                raise
-            yield GatewayStack(url, port, log_dir)
-    finally:
-        stop(attention)
+    with gateway_over_attention(DATA / "base-qwen3moe.gguf", tmp_path_factory.mktemp("lora"), "--api-key", API_KEY,
+                                attention_args=("--dtype", "float32", "--lora-modules", f"{ADAPTER}={ATTN_LORA}",
+                                                "--max-loras", "2")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

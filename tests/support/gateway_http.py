@@ -27,10 +27,11 @@ class GatewayStack:
 
 
 @contextmanager
-def gateway_over_attention(model: Path, log_dir: Path, *gateway_args: str) -> Iterator[GatewayStack]:
-    """`serve-attention` on `model` (experts in-process) and a gateway in front, both healthy."""
+def gateway_over_attention(model: Path, log_dir: Path, *gateway_args: str,
+                           attention_args: tuple[str, ...] = ()) -> Iterator[GatewayStack]:
+    """`serve-attention` on `model` (experts in-process; `attention_args` added) and a gateway in front, both healthy."""
     port = free_port()
-    attention = spawn(["serve-attention", str(model), "--port", str(port)], log_dir / "attention.log")
+    attention = spawn(["serve-attention", str(model), "--port", str(port), *attention_args], log_dir / "attention.log")
     try:
         with running_gateway(port, log_dir / "splitmoe.gateway.log", *gateway_args) as url:
             try:
