@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from splitmoe.attention_service.model.lora import AdapterWeights
 from splitmoe.modelfile.gguf_file import GGUFError, GGUFFile
-from splitmoe.modelfile.lora_adapter import load_lora_adapter
+from splitmoe.modelfile.lora_adapter import AdapterRef, load_lora_adapter
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,13 @@ class LoraAdapters:
     take adapters (`takes_lora`: GPU hot experts, device experts): an adapter with routed-expert
     tensors is refused there. Expert services take them (each loads the file at the same path)."""
 
-    def __init__(self, base: GGUFFile, base_name: str, settings: LoraSettings, remote_experts: bool = False):
+    def __init__(self, base: GGUFFile, base_name: str, settings: LoraSettings, remote_experts: bool = False,
+                 prepare_experts: Callable[[AdapterRef], None] | None = None):
         self.base, self.base_name, self.settings = base, base_name, settings
         self.remote_experts = remote_experts
+        # The expert services' PrepareLora (expert_backends/remote.py): they load and check the file
+        # at load time, so that a service that cannot read it fails the load, not a request.
+        self.prepare_experts = prepare_experts
         self._adapters: dict[str, AdapterWeights] = {}
         self._lock = threading.Lock()
         for name, path in settings.modules:
@@ -82,6 +87,8 @@ class LoraAdapters:
         if weights.experts and self.remote_experts:
             raise ValueError(f"{path}: adapts routed experts, whose backend here (experts on the GPU) does not apply "
                              "adapters yet (adapters on attention, shared experts and the head work)")
+        if weights.experts and self.prepare_experts is not None:
+            self.prepare_experts(adapter.ref)
         with self._lock:
             if name in self._adapters:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")

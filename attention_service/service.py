@@ -196,8 +196,10 @@ def load_serving_model(settings: AttentionSettings, experts: ExpertBackend | Non
                                        reasoning, settings.tool_call_parser),
         grammars=GrammarCompiler(tokenizer, runner.cfg.vocab_size),
     )
+    backend = runner.model.experts
     model.adapters = LoraAdapters(g, model.model_id, settings.lora_settings,
-                                  remote_experts=not getattr(runner.model.experts, "takes_lora", False))
+                                  remote_experts=not getattr(backend, "takes_lora", False),
+                                  prepare_experts=getattr(backend, "prepare_lora", None))
     log.info("model %s loaded: %s, %d layers, dtype %s on %s, reasoning format %s (%s), tool calls %s",
              model.model_id, runner.cfg.arch, runner.cfg.num_layers, dtype_name(options.dtype), options.device,
              model.reasoning.name if model.reasoning else "none", settings.reasoning_format,

@@ -1,7 +1,7 @@
 """The expert service's gRPC surface and wiring: ExpertService, the standard grpc.health.v1 service,
 and the hops' two front-ends over one handler (expert_service/hops.py).
 
-Control (DescribeShard, LoadShard, GetStats) is answered here. Hops arrive on the Forward stream
+Control (DescribeShard, LoadShard, GetStats, PrepareLora) is answered here. Hops arrive on the Forward stream
 (expert_service/forward_stream.py) or, from attention services on the same host, on the
 shared-memory doorbell (expert_service/doorbell.py), advertised in ShardInfo: the same hops
 without a gRPC message each.
@@ -20,6 +20,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitmoe.expert_service.adapters import AdapterError, ExpertAdapters
 from splitmoe.expert_service.doorbell import DoorbellServer
 from splitmoe.expert_service.forward_stream import ForwardFrontEnd
 from splitmoe.expert_service.hops import HopHandler
@@ -27,6 +28,7 @@ from splitmoe.expert_service.settings import ExpertServiceSettings
 from splitmoe.expert_service.shard import HostedShard, ShardDescription
 from splitmoe.kernels.expert_kernels import format_ranges
 from splitmoe.modelfile.gguf_parts import model_stem
+from splitmoe.modelfile.lora_adapter import AdapterRef
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.memory import resident
 
@@ -36,8 +38,9 @@ _DRAIN_POLL_S = 0.05
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    def __init__(self, hosted: HostedShard, forward: ForwardFrontEnd, doorbell: str = ""):
+    def __init__(self, hosted: HostedShard, forward: ForwardFrontEnd, adapters: ExpertAdapters, doorbell: str = ""):
         self.hosted = hosted
+        self.adapters = adapters
         self.doorbell = doorbell  # the doorbell's address, advertised in ShardInfo
         self._forward = forward
         self._hostname = socket.gethostname()
@@ -63,6 +66,14 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         return expert_pb2.ExpertStats(
             layers=[k.layer for k in counts], experts=[k.expert for k in counts], tokens=list(counts.values()),
             num_requests=totals.num_requests, compute_s_total=totals.compute_s)
+
+    def PrepareLora(self, request: expert_pb2.PrepareLoraRequest, context) -> expert_pb2.PrepareLoraResponse:
+        try:
+            layers = self.adapters.layers(AdapterRef(request.name, request.path, request.identity))
+        except AdapterError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        log.info("LoRA adapter %s ready: %s, %d expert layers", request.name, request.path, len(layers))
+        return expert_pb2.PrepareLoraResponse(layers=sorted(layers))
 
     def Forward(self, request_iterator: Iterator[expert_pb2.ExpertRequest], context) -> Iterator[expert_pb2.ExpertResponse]:
         return self._forward.serve(request_iterator, context)
@@ -100,7 +111,7 @@ class ExpertServer:
         self.settings = settings
         self.hops = HopHandler(hosted)
         self.doorbell = DoorbellServer(self.hops, settings.security.token) if settings.doorbell else None
-        self.servicer = ExpertServicer(hosted, ForwardFrontEnd(self.hops),
+        self.servicer = ExpertServicer(hosted, ForwardFrontEnd(self.hops), self.hops.adapters,
                                        self.doorbell.address if self.doorbell is not None else "")
         self.health = health.HealthServicer()
         options = [("grpc.max_send_message_length", settings.max_message_bytes),

@@ -5,12 +5,17 @@ biases), q/k norm, rope, the KV cache write, attention, the output projection an
 add, the FFN's norm and the router's logits, where torch made some twenty calls, each costing
 more than its arithmetic on a decode step's few rows. `AttentionFront` is built once per layer
 (weights and cache pools checked then); `DecodeStep` once per step, shared by every layer.
+
+LoRA adapters on q/k/v and the output projection ride along (`FrontLora`): the native call hands the
+normed input and the q/k/v products, then the attention output and its projection, to the caller, who
+adds each adapted row's delta in place, so an adapter keeps the one-call front.
 """
 from __future__ import annotations
 
 import ctypes
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,6 +33,21 @@ class QkNorm(enum.IntEnum):
 
 
 _P = ctypes.c_void_p
+_LORA_HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, _P, _P)  # csrc/decode_layer.cpp SmkLoraHook
+
+
+class FrontLora(Protocol):
+    """Adds adapted rows' deltas inside a front, in place (float32 views of the native call's buffers)."""
+
+    def qkv(self, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """h: the normed input [T, D]; q, k, v: its products, before biases, norms and rope."""
+
+    def output(self, a: torch.Tensor, o: torch.Tensor) -> None:
+        """a: the attention output [T, H*Dv]; o: its output projection [T, D], before the residual add."""
+
+
+def _floats(address: int, rows: int, cols: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_float * (rows * cols)).from_address(address), dtype=torch.float32).view(rows, cols)
 
 
 class _QuantLinear(ctypes.Structure):
@@ -146,9 +166,10 @@ class AttentionFront:
             k_pool.kv_type, _ptr(norms[5]), _ptr(norms[6]), self.num_experts, k_scales or None, v_scales or None,
             k_scale_row, k_scale_head, v_scale_row, v_scale_head)
 
-    def __call__(self, step: DecodeStep, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, step: DecodeStep, x: torch.Tensor,
+                 lora: FrontLora | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x float32 [T, D] (updated in place: + attention) -> (the FFN's normed input [T, D],
-        router logits [T, E] or None)."""
+        router logits [T, E] or None). `lora`: adds adapters' deltas to the products (FrontLora)."""
         T = step.context.num_rows
         if x.shape != (T, self.hidden_size) or x.dtype != torch.float32 or not x.is_contiguous() \
                 or x.device.type != "cpu":
@@ -161,8 +182,29 @@ class AttentionFront:
                              f"{self._struct.rope_dims}")
         h = torch.empty(T, self.hidden_size, dtype=torch.float32)
         logits = torch.empty(T, self.num_experts, dtype=torch.float32) if self.num_experts else None
+        failed: list[BaseException] = []
+        hook = None if lora is None else _LORA_HOOK(self._lora_hook(T, lora, failed))
         rc = native._lib.smk_attn_front(ctypes.byref(self._struct), ctypes.byref(step._struct), x.data_ptr(),
-                                        h.data_ptr(), None if logits is None else logits.data_ptr())
+                                        h.data_ptr(), None if logits is None else logits.data_ptr(), hook)
+        if failed:
+            raise failed[0]
         if rc != 0:
             raise ValueError(f"attention front: native kernel refused the call (code {rc})")
         return h, logits
+
+    def _lora_hook(self, T: int, lora: FrontLora, failed: list[BaseException]):
+        L = self._struct
+        D, nq, nk, nv, na = L.D, L.H * L.Dk, L.G * L.Dk, L.G * L.Dv, L.H * L.Dv
+
+        def hook(stage: int, inp: int, out: int) -> int:
+            try:
+                if stage == 0:
+                    qkv = _floats(out, T, nq + nk + nv)
+                    lora.qkv(_floats(inp, T, D), qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:])
+                else:
+                    lora.output(_floats(inp, T, na), _floats(out, T, D))
+                return 0
+            except BaseException as e:  # noqa: BLE001 - raised again by the caller, after the native call
+                failed.append(e)
+                return 1
+        return hook

@@ -109,7 +109,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_matmul_heads", I, [I, P, Z, Z, I, I, P, I, I, P]),
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
-        ("smk_attn_front", I, [P, P, P, P, P]),
+        ("smk_attn_front", I, [P, P, P, P, P, P]),
         ("smk_hop_server_new", P, [P, I, I, P]),
         ("smk_hop_server_free", None, [P]),
         ("smk_hop_server_set_layers", None, [P, P, I]),

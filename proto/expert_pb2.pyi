@@ -110,6 +110,22 @@ class ExpertResponse(_message.Message):
     error: str
     def __init__(self, step_id: _Optional[int] = ..., layer: _Optional[int] = ..., output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
+class PrepareLoraRequest(_message.Message):
+    __slots__ = ("name", "path", "identity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    identity: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., identity: _Optional[str] = ...) -> None: ...
+
+class PrepareLoraResponse(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class ExpertServiceStub:
                 request_serializer=splitmoe_dot_proto_dot_expert__pb2.StatsRequest.SerializeToString,
                 response_deserializer=splitmoe_dot_proto_dot_expert__pb2.ExpertStats.FromString,
                 _registered_method=True)
+        self.PrepareLora = channel.unary_unary(
+                '/splitmoe.v1.ExpertService/PrepareLora',
+                request_serializer=splitmoe_dot_proto_dot_expert__pb2.PrepareLoraRequest.SerializeToString,
+                response_deserializer=splitmoe_dot_proto_dot_expert__pb2.PrepareLoraResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -85,6 +90,15 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareLora(self, request, context):
+        """Load and check a LoRA adapter's routed-expert tensors now, when the attention service loads
+        it, rather than inside the first hop that names it (which still loads it on a service that
+        joined later). Fails FAILED_PRECONDITION, one line, when this service cannot apply it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +121,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=splitmoe_dot_proto_dot_expert__pb2.StatsRequest.FromString,
                     response_serializer=splitmoe_dot_proto_dot_expert__pb2.ExpertStats.SerializeToString,
+            ),
+            'PrepareLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareLora,
+                    request_deserializer=splitmoe_dot_proto_dot_expert__pb2.PrepareLoraRequest.FromString,
+                    response_serializer=splitmoe_dot_proto_dot_expert__pb2.PrepareLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +236,33 @@ class ExpertService:
             '/splitmoe.v1.ExpertService/GetStats',
             splitmoe_dot_proto_dot_expert__pb2.StatsRequest.SerializeToString,
             splitmoe_dot_proto_dot_expert__pb2.ExpertStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitmoe.v1.ExpertService/PrepareLora',
+            splitmoe_dot_proto_dot_expert__pb2.PrepareLoraRequest.SerializeToString,
+            splitmoe_dot_proto_dot_expert__pb2.PrepareLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

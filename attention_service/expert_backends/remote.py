@@ -46,6 +46,7 @@ from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count, load_layer_experts, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.hparams import ModelConfig
+from splitmoe.modelfile.lora_adapter import AdapterRef
 
 __all__ = ["RemoteExperts", "RemoteExpertsSettings", "ExpertsUnavailable", "ExpertRequestError", "RebalanceReport"]
 log = logging.getLogger(__name__)
@@ -140,6 +141,19 @@ class RemoteExperts:
         here, there = hot.split(layer, ids)
         handle = self._in_flight.submit(layer, hidden, there, expert_weights, new_output, hop_lora)  # services first
         return PlusLocal(handle, hot.forward(layer, hidden, here, expert_weights, lora))
+
+    def prepare_lora(self, ref: AdapterRef) -> None:
+        """Have every connected service load and check the adapter now: a file it cannot read, or
+        another file than this one at the path, fails the load (ValueError, one line naming the
+        service) instead of the first request that uses it. A service away now, or one that joins
+        later, loads it at its first hop naming it."""
+        for client in self._services.clients:
+            if not client.healthy:
+                continue
+            try:
+                client.prepare_lora(ref)
+            except grpc.RpcError as e:
+                raise ValueError(f"expert service {client.address}: {e.details() or e.code().name}") from None
 
     # ---- placement by load ----------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from splitmoe.attention_service.expert_backends.hop_budget import HopBudget
 from splitmoe.attention_service.expert_backends.placement import ServiceShard
 from splitmoe.attention_service.expert_backends.shm_link import HopFailed, HopLora, Link, Reply, ShmLink, Ticket
 from splitmoe.modelfile.expert_tensors import ExpertKey
+from splitmoe.modelfile.lora_adapter import AdapterRef
 from splitmoe.proto import expert_pb2, expert_pb2_grpc
 from splitmoe.runtime.cluster_auth import ClusterSecurity
 
@@ -221,6 +222,11 @@ class ExpertServiceClient:
         info = self._conn.stub.LoadShard(load_shard_request(shard), timeout=self.settings.load_timeout_s)
         self.info = info
         return shard_from_info(self.address, info)
+
+    def prepare_lora(self, ref: AdapterRef) -> None:
+        """PrepareLora: the service loads and checks the adapter's expert tensors now (grpc.RpcError if it cannot)."""
+        self._conn.stub.PrepareLora(expert_pb2.PrepareLoraRequest(name=ref.name, path=ref.path, identity=ref.identity),
+                                    timeout=self.settings.load_timeout_s)
 
     def ask_token_counts(self) -> grpc.Future | None:
         """GetStats, sent (None for a service unhealthy or lagging: no answer expected soon)."""

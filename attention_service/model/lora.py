@@ -81,15 +81,21 @@ class StepLora:
             t = adapter.tensors.get(name)
             if t is None:
                 continue
+            if rows.numel() == y.shape[0]:  # every row (rows are distinct): no gather, no scatter
+                y += ((x.to(t.a.device, torch.float32) @ t.a.T) * t.scale @ t.b.T).to(y.dtype)
+                continue
             rows = rows.to(y.device)
             xr = x.index_select(0, rows).to(t.a.device, torch.float32)
-            delta = (xr @ t.a.T) @ t.b.T * t.scale
-            y.index_add_(0, rows, delta.to(y.dtype))
+            y.index_add_(0, rows, ((xr @ t.a.T) * t.scale @ t.b.T).to(y.dtype))
         return y
 
     def add_parts(self, names: tuple[str, ...], x: torch.Tensor, ys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`add` for several products of the same input (q, k, v; gate, up)."""
         return tuple(self.add(n, x, y) for n, y in zip(names, ys))
+
+    def front(self, layer: int) -> "FrontDeltas":
+        """Layer `layer`'s q/k/v and output deltas as its native attention front takes them (kernels/decode_layer.py)."""
+        return FrontDeltas(self, f"blk.{layer}.")
 
     def of_rows_subset(self, picked: torch.Tensor) -> "StepLora | None":
         """The same adapters for rows `picked` of this step, renumbered 0.. (the logits rows for the head)."""
@@ -104,3 +110,18 @@ class StepLora:
         """The adapters with tensors on this layer's routed experts, and their rows (None: none)."""
         found = [(a.experts[layer], rows) for a, rows in self.groups if layer in a.experts]
         return found or None
+
+
+class FrontDeltas:
+    """`kernels.decode_layer.FrontLora` for one layer of a step: the same deltas as `Attention`'s torch path."""
+
+    __slots__ = ("step", "prefix")
+
+    def __init__(self, step: StepLora, prefix: str):
+        self.step, self.prefix = step, prefix
+
+    def qkv(self, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.step.add_parts(tuple(f"{self.prefix}attn_{n}.weight" for n in "qkv"), h, (q, k, v))
+
+    def output(self, a: torch.Tensor, o: torch.Tensor) -> None:
+        self.step.add(f"{self.prefix}attn_output.weight", a, o)

@@ -115,17 +115,17 @@ class MoETransformer:
         x = w.token_embedding[batch.token_ids].float()
         per_token = batch.experts_per_token
         top_k = self.cfg.num_experts_used if per_token is None else int(per_token.max())  # of the whole step
-        lora = batch.lora  # adapters add their deltas after the products the native fronts fuse
+        lora = batch.lora
         parts = batch.split(self.micro_batches) if self.micro_batches > 1 and lora is None else []
-        fronts = self._native_fronts(kv) if use_native_decode(batch, kv) and len(parts) <= 1 and not (
-            lora and lora.attention_side) else []
+        fronts = self._native_fronts(kv) if use_native_decode(batch, kv) and len(parts) <= 1 else []
+        front_lora = lora.front if lora is not None and lora.attention_side else None  # deltas inside the call
         if len(parts) > 1:
             x = self._pipelined(x, parts, kv, top_k)
         elif fronts:
             step = self.attention.decode_step(batch)
             x = x.contiguous()
             for i, (layer, front) in enumerate(zip(w.layers, fronts)):
-                h32, logits = front(step, x)  # x += attention, in place
+                h32, logits = front(step, x, front_lora and front_lora(i))  # x += attention, in place
                 x += self.ffn(i, layer, h32, batch, top_k, logits)
         else:
             for i, layer in enumerate(w.layers):

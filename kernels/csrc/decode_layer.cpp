@@ -136,7 +136,15 @@ void router_job(void* p, int) {
 
 // See the file's comment. x [T, D] in/out; h [T, D] and logits [T, E] out (logits unused when the
 // layer has no router). Returns 0, or a negative error code.
-SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits) {
+// LoRA adapters on q/k/v/output (attention_service/model/lora.py): the caller adds each adapted row's
+// delta where the products are, without a second pass over the layer. Stage 0: in = the normed input
+// [T, D], out = the q|k|v products [T, nq + nk + nv] before biases, norms and rope; stage 1: in = the
+// attention output [T, H*Dv], out = its output-projection product [T, D] before the residual add.
+// Nonzero from the hook fails the call.
+typedef int (*SmkLoraHook)(int stage, const float* in, float* out);
+
+SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits,
+                           SmkLoraHook lora) {
     const int T = S->T, D = L->D, H = L->H, G = L->G, Dk = L->Dk, Dv = L->Dv;
     if (T <= 0 || D <= 0 || H <= 0 || G <= 0 || H % G || Dk <= 0 || Dv <= 0 || L->rope_dims > Dk ||
         L->rope_dims % 2 || L->rope_dims > 1024)
@@ -160,6 +168,7 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
         const int ns[3] = {nq, nk, nv};
         const int rc = smk_matmul_multi(3, types, ws, strides, ns, D, hn, size_t(D), T, qkv, size_t(nqkv));
         if (rc) return rc;
+        if (lora && lora(0, hn, qkv)) return -4;
     }
     for (int t = 0; t < T; ++t) {
         float* q = qkv + size_t(t) * nqkv;
@@ -201,6 +210,7 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
         const int n = D;
         rc = smk_matmul_multi(1, &type, &w, &stride, &n, H * Dv, att, size_t(H) * Dv, T, hn, size_t(D));
         if (rc) return rc;
+        if (lora && lora(1, att, hn)) return -4;
         for (int t = 0; t < T; ++t)
             for (int i = 0; i < D; ++i) x[size_t(t) * D + i] += hn[size_t(t) * D + i] + (L->o.bias ? L->o.bias[i] : 0.f);
     }

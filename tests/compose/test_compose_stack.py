@@ -15,7 +15,9 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -86,13 +88,13 @@ def build_image() -> None:
 
 
 class Stack:
-    def __init__(self, command: list[str], port: int):
-        self.command, self.port = command, port
-        self.env = {**os.environ, "GATEWAY_PORT": str(port), "SPLITMOE_API_KEY": API_KEY}
+    def __init__(self, command: list[str], port: int, project: str = PROJECT, env: dict[str, str] | None = None):
+        self.command, self.port, self.project = command, port, project
+        self.env = {**os.environ, "GATEWAY_PORT": str(port), "SPLITMOE_API_KEY": API_KEY, **(env or {})}
 
     def compose(self, *args: str, timeout_s: float = 600) -> str:
-        done = subprocess.run([*self.command, "-p", PROJECT, "-f", str(REPO / "compose.yaml"), *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+        done = subprocess.run([*self.command, "-p", self.project, "-f", str(REPO / "compose.yaml"), *args],
+                              env=self.env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done.stdout + done.stderr
 
@@ -111,14 +113,15 @@ class Stack:
                 for m in re.finditer(r'^splitmoe:expert_hops_total\{address="([^"]+)"\} (\S+)$', text, re.MULTILINE)}
 
 
-@pytest.fixture(scope="module")
-def stack():
+@contextmanager
+def running_stack(num_experts: int, project: str = PROJECT, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """The image built, the stack up with `num_experts` expert replicas and healthy; down (volumes too) after."""
     engine_or_skip()
     command = compose_command()
     build_image()
-    s = Stack(command, free_port())
+    s = Stack(command, free_port(), project, env)
     try:
-        s.scale(2)
+        s.scale(num_experts)
         deadline_s = time.monotonic() + 300
         import httpx
 
@@ -133,8 +136,14 @@ def stack():
             raise AssertionError("the stack did not become healthy:\n" + s.logs("attention")[-3000:])
         yield s
     finally:
-        subprocess.run([*command, "-p", PROJECT, "-f", str(REPO / "compose.yaml"), "down", "-v", "--timeout", "70"],
+        subprocess.run([*command, "-p", project, "-f", str(REPO / "compose.yaml"), "down", "-v", "--timeout", "70"],
                        env=s.env, capture_output=True, timeout=300, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with running_stack(2) as s:
+        yield s
 
 
 def ask(client, question: str = "What is 7 + 5?") -> str:

@@ -19,6 +19,7 @@ import torch
 
 from splitmoe.attention_service.expert_backends.layer_call import lora_of_part
 from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError
+from splitmoe.attention_service.lora_adapters import LoraAdapters, LoraSettings
 from splitmoe.attention_service.model.lora import AdapterWeights
 from splitmoe.attention_service.model.runner import ModelRunner, RunnerOptions
 from splitmoe.attention_service.model.sequence import Sequence
@@ -120,6 +121,41 @@ def test_another_file_at_the_path_fails_the_request_and_the_services_stay_usable
         [got] = logits(ModelRunner.from_gguf(base, OPTIONS, experts=backend), [Sequence(2, prompt)])
         assert all(h.healthy for h in backend.health().values())
     assert (got - torch.from_numpy(refs["base/p0/logits"])).abs().max() <= F32_TOL
+
+
+def changed_first(prepare, path: Path, change):
+    """`prepare`, after `change(path)`: the file the services find is not the one the attention side read."""
+    def call(ref):
+        change(path)
+        return prepare(ref)
+    return call
+
+
+@pytest.mark.stack
+def test_loading_an_adapter_has_every_service_read_and_check_it_first(services, base, refs, tmp_path):
+    """PrepareLora at load time: an adapter the services can apply loads (and then computes as
+    peft's); a stale copy at the path, or no file there, fails the load in one line naming the
+    service and the cause, not the first request using it, and leaves nothing loaded."""
+    with both(services, base, "grpc") as backend:
+        adapters = LoraAdapters(base, "base", LoraSettings(), prepare_experts=backend.prepare_lora)
+        lora = adapters.load("experts", str(DATA / "experts-lora.gguf"))
+        [got] = logits(ModelRunner.from_gguf(base, OPTIONS, experts=backend),
+                       [Sequence(0, refs["prompts/p0"].tolist(), lora=lora)])
+        assert (got - torch.from_numpy(refs["experts/p0/logits"])).abs().max() <= F32_TOL
+        for name, change, why in (
+                ("stale", lambda p: shutil.copy(DATA / "attn-lora.gguf", p), "the two must read the same file"),
+                ("missing", Path.unlink, "cannot load")):
+            path = tmp_path / f"{name}.gguf"
+            shutil.copy(DATA / "experts-lora.gguf", path)
+            changing = LoraAdapters(base, "base", LoraSettings(),
+                                    prepare_experts=changed_first(backend.prepare_lora, path, change))
+            with pytest.raises(ValueError) as failed:
+                changing.load(name, str(path))
+            message = str(failed.value)
+            assert len(message.splitlines()) == 1, message
+            assert message.startswith("expert service 127.0.0.1:") and why in message and str(path) in message
+            assert not changing.listed()
+        assert all(h.healthy for h in backend.health().values())
 
 
 def test_a_part_gets_its_own_rows_of_each_adapter_renumbered():

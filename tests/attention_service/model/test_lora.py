@@ -100,8 +100,8 @@ def median_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_bfloat16_decode_with_an_adapter_stays_near_peft(base, refs):
-    """The fast path: adapted rows take the per-op attention (the native fronts fuse the products
-    the deltas follow) and the adapted experts' own route; each position against peft's logits,
+    """The fast path: adapted rows take the per-op attention (this fixture's float weights have no
+    native front; test_native_front holds the front's deltas) and the adapted experts' own route; each position against peft's logits,
     no further off than the base model's bfloat16 decode is from its own reference."""
     r = runner(base, torch.bfloat16)
     ids = refs["prompts/p0"].tolist()

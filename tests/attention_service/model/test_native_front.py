@@ -13,6 +13,8 @@ the torch path is.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -174,3 +176,54 @@ def test_declined_for_layernorm_and_clamped_qkv(fixtures_dir):
     q = r.model.weights.layers[0].attn.q
     assert isinstance(q, QuantLinear) and q.route == "native"  # declined for the layer, not the weights
     assert r.model._native_fronts(r.kv) == []
+
+
+def test_lora_deltas_inside_the_front(demo_gguf, tmp_path):
+    """An adapter on q/k/v/output keeps the one-call front: the call hands its products to the
+    adapter's deltas (kernels.decode_layer.FrontLora). In a step mixing an adapted row and a base
+    row, the adapted row's attention matches the torch path's with the same adapter (to the int8
+    distance) and moves well past it from the base's; the base row is bit-identical to a step
+    without adapters."""
+    from splitmoe.attention_service.model.lora import AdapterWeights
+    from splitmoe.bench.lora_bench import ATTENTION, write_adapter
+    from splitmoe.modelfile.gguf_file import GGUFFile
+    from splitmoe.modelfile.lora_adapter import load_lora_adapter
+
+    base = GGUFFile(demo_gguf)
+    write_adapter(base, tmp_path / "attn.gguf", 8, ATTENTION, b_std=0.1)
+    lora = AdapterWeights.of(load_lora_adapter(tmp_path / "attn.gguf", base, "attn"))
+    r = ModelRunner.from_gguf(base, RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"),
+                                                  kv_cache_tokens=256, kv_block_tokens=4))
+    vocab, m = r.cfg.vocab_size, r.model
+    seqs = [Sequence(0, [(7 * j + 3) % vocab for j in range(30)], lora=lora),
+            Sequence(1, [(5 * j + 1) % vocab for j in range(23)])]
+    with torch.inference_mode():
+        r.step(seqs, [29, 22])
+        adapted = r._build_batch(seqs, [1, 1], False)
+        plain = dataclasses.replace(adapted, lora=None)
+        assert adapted.lora is not None and adapted.lora.attention_side
+        fronts = m._native_fronts(r.kv)
+        assert len(fronts) == len(m.weights.layers)
+        x = torch.randn(2, r.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+        for i in (0, len(fronts) - 1):
+            layer = m.weights.layers[i]
+            stored = [t for p in r.kv.native_pools(i).values() for t in (p.values, p.scales) if t is not None]
+            saved = [t.clone() for t in stored]
+
+            def restore():
+                for t, s in zip(stored, saved):
+                    t.copy_(s)
+
+            runs = {}
+            for name, batch in (("adapted", adapted), ("plain", plain)):
+                out = x.clone()
+                h, _ = fronts[i](m.attention.decode_step(batch), out, batch.lora and batch.lora.front(i))
+                runs[name] = (out - x, h)
+                restore()
+            torch_delta = m.attention(i, layer.attn, rms_norm(x, layer.attn_norm, r.cfg.norm_eps).to(m.dtype), adapted,
+                                      r.kv)
+            restore()
+            fused, plain_delta = runs["adapted"][0], runs["plain"][0]
+            assert rel(fused[0], torch_delta[0].double()) <= TOL, i
+            assert rel(fused[0], plain_delta[0].double()) > 10 * TOL, i
+            assert torch.equal(fused[1], plain_delta[1]) and torch.equal(runs["adapted"][1][1], runs["plain"][1][1])
