@@ -182,12 +182,17 @@ class AttentionFront:
                              f"{self._struct.rope_dims}")
         h = torch.empty(T, self.hidden_size, dtype=torch.float32)
         logits = torch.empty(T, self.num_experts, dtype=torch.float32) if self.num_experts else None
-        failed: list[BaseException] = []
-        hook = None if lora is None else _LORA_HOOK(self._lora_hook(T, lora, failed))
-        rc = native._lib.smk_attn_front(ctypes.byref(self._struct), ctypes.byref(step._struct), x.data_ptr(),
-                                        h.data_ptr(), None if logits is None else logits.data_ptr(), hook)
-        if failed:
-            raise failed[0]
+        out = None if logits is None else logits.data_ptr()
+        if lora is None:  # the usual step: nothing made per call for adapters
+            rc = native._lib.smk_attn_front(ctypes.byref(self._struct), ctypes.byref(step._struct), x.data_ptr(),
+                                            h.data_ptr(), out, None)
+        else:
+            failed: list[BaseException] = []
+            hook = _LORA_HOOK(self._lora_hook(T, lora, failed))
+            rc = native._lib.smk_attn_front(ctypes.byref(self._struct), ctypes.byref(step._struct), x.data_ptr(),
+                                            h.data_ptr(), out, hook)
+            if failed:
+                raise failed[0]
         if rc != 0:
             raise ValueError(f"attention front: native kernel refused the call (code {rc})")
         return h, logits

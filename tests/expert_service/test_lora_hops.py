@@ -26,7 +26,7 @@ from splitmoe.attention_service.model.sequence import Sequence
 from splitmoe.modelfile.gguf_file import GGUFFile
 from splitmoe.modelfile.lora_adapter import AdapterRef, adapter_identity, load_lora_adapter
 from splitmoe.proto import doorbell
-from tests.attention_service.model.test_lora import logits
+from tests.attention_service.model.test_lora import bfloat16_rows, logits
 from tests.support.expert_services import ExpertServices, remote_experts
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -183,20 +183,6 @@ def test_a_doorbell_request_names_its_adapters_and_each_row_its_adapter(tmp_path
         region.close()
 
 
-def decode_rows(runner: ModelRunner, ids: list[int], lora) -> torch.Tensor:
-    """Logits of positions 7.. of `ids`: an 8-token prompt, then one-token decode steps (the hops the
-    services' C++ loop serves itself without adapters), beside a base-model sequence in every step."""
-    s, other = Sequence(0, ids[:8], lora=lora), Sequence(1, ids[:8])
-    rows = [runner.step([s, other])[0]]
-    for t in ids[8:]:
-        s.token_ids.append(t)
-        other.token_ids.append(t)
-        rows.append(runner.step([s, other])[0])
-    runner.release(s)
-    runner.release(other)
-    return torch.stack(rows)
-
-
 @pytest.mark.stack
 def test_bfloat16_decode_hops_with_an_adapter_are_not_left_to_the_native_loop(services, base, refs):
     """Decode-sized bfloat16 hops over shared memory are the C++ loop's, which knows no adapters: a
@@ -205,8 +191,8 @@ def test_bfloat16_decode_hops_with_an_adapter_are_not_left_to_the_native_loop(se
     options = RunnerOptions(dtype=torch.bfloat16, device=torch.device("cpu"), kv_cache_tokens=512)
     ids = refs["prompts/p0"].tolist()
     with both(services, base, "shm") as backend:
-        got = decode_rows(ModelRunner.from_gguf(base, options, experts=backend), ids, lora)
+        got = bfloat16_rows(ModelRunner.from_gguf(base, options, experts=backend), ids, lora)
     here = ModelRunner.from_gguf(base, options)  # in-process experts
-    want, without = decode_rows(here, ids, lora), decode_rows(here, ids, None)
+    want, without = bfloat16_rows(here, ids, lora), bfloat16_rows(here, ids, None)
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     assert (without - want).abs().max() > 10 * (got - want).abs().max()
