@@ -394,9 +394,11 @@ def _log_fast_path(fast: Mapping[int, FastMoELayer], ffns_by_layer: Mapping[int,
     n_dense = total - n_native - n_int4
     dtype = gemm_dtype()
     if use_native:
+        packed = [layer for layer in fast.values() if layer._native is not None and layer._native.all_packed]
+        where = ("packed by 16 rows at load" if len(packed) == len(fast) else "read in place from the GGUF"
+                 if not packed else f"packed by 16 rows at load in {len(packed)} of {len(fast)} layers")
         how = (f"native kernels ({native.isa()}, {native.get_num_threads()} threads) on {n_native} experts, "
-               f"read in place from the GGUF, nothing repacked, up to {NATIVE_MAX_TOKENS.get(dtype, 0)} "
-               f"tokens per expert")
+               f"{where}, up to {max(layer.native_max_tokens for layer in fast.values())} tokens per expert")
     else:
         how = (f"pure torch, native kernels unavailable ({native_unavailable_reason() or 'disabled'}): "
                f"{n_int4} Q4 experts int4-repacked, torch's int4 kernel up to {INT4_MAX_TOKENS} tokens per expert")

@@ -5,7 +5,8 @@ a `QuantLinear`: the file's blocks (a read-only view of the mmap, no copy) compu
 time. `linear(x, w, bias)` dispatches on which:
 
 * few rows (<= SMALL_BATCH_ROWS, decode): the native int8 kernel `kernels.native.matmul`, which
-  reads each weight byte once and quantizes the activations to int8 per block as ggml does;
+  reads each weight byte once and quantizes the activations to int8 per block as ggml does (a single
+  row of the attention projections in two int8 terms: `residual`, see QuantLinear);
 * many rows (prefill): the weight is dequantized in row chunks into a reused per-thread scratch
   buffer and multiplied by torch's GEMM in `kernels.cpu_features.gemm_dtype()`: bfloat16 where
   the CPU computes it natively (AVX512-BF16, AMX), float32 elsewhere (a bfloat16 GEMM without
@@ -82,7 +83,9 @@ def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
 class QuantLinear:
     """A 2-D [out_features, in_features] weight kept quantized, with its routes (module doc)."""
 
-    def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16, residual: bool = False):
+        """residual: a single row goes to the int8 kernel in two terms (`native.WeightMatmul`'s residual),
+        for the attention projections, whose activation rounding moves routing near-ties downstream."""
         if len(qt.shape) != 2:
             raise ValueError(f"tensor {qt.name!r}: a linear weight must be 2-D, not {list(qt.shape)}")
         if not is_block_quantized(qt.ggml_type):
@@ -97,7 +100,8 @@ class QuantLinear:
         # the int8 kernels' view of the weight: packed by 16 rows where this CPU has the faster tiles
         # for that (one copy, shared by this linear, its fused group and the native decode layer)
         self.kernel = nat.kernel_weight(qt, pack=True) if self._native is not None else None
-        self._matmul = nat.WeightMatmul(self.kernel) if self._native is not None else None
+        self.residual = residual
+        self._matmul = nat.WeightMatmul(self.kernel, residual=residual) if self._native is not None else None
         self._chunks = self._row_chunks() if self._native is not None else []
         # Only when no native kernel covers this type: the dense copy the fallback computes with.
         self.dense = None
@@ -256,7 +260,8 @@ class LinearGroup:
         nat = native()
         fusable = len(weights) > 1 and all(isinstance(w, QuantLinear) and w.route == "native" for w in weights) \
             and len({w.in_features for w in weights}) == 1
-        self._fused = nat.WeightMatmul(*(w.kernel for w in weights)) if fusable else None
+        residual = fusable and all(w.residual for w in weights)
+        self._fused = nat.WeightMatmul(*(w.kernel for w in weights), residual=residual) if fusable else None
 
     def __call__(self, x: torch.Tensor, biases: tuple[torch.Tensor | None, ...] | None = None) -> tuple[torch.Tensor, ...]:
         biases = biases or (None,) * len(self.weights)

@@ -106,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_supports", I, [I]),
         ("smk_can_dequantize", I, [I]),
         ("smk_matmul_multi", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
+        ("smk_matmul_multi_residual", I, [I, P, P, P, P, I, P, Z, I, P, Z]),
         ("smk_matmul_heads", I, [I, P, Z, Z, I, I, P, I, I, P]),
         ("smk_dequantize", I, [I, P, Z, I, I, P, I, I, P]),
         ("smk_moe_forward", I, [P, P, I, I, I, P, I, I, P, P, P]),
@@ -386,11 +387,15 @@ class WeightMatmul:
     checks done once: a decode step makes a few hundred calls per weight set, and checking the
     weights each time costs more than a small projection's work."""
 
-    def __init__(self, *ws: QuantTensor | KernelWeight, pack: bool = False) -> None:
+    def __init__(self, *ws: QuantTensor | KernelWeight, pack: bool = False, residual: bool = False) -> None:
         """ws: GGUF tensors, or `KernelWeight`s made once and shared (a layer's q both alone and fused
         with k and v); pack: tensors given as QuantTensor are packed where that pays (see
-        `repack_enabled`); otherwise the kernels read their GGUF rows in place."""
+        `repack_enabled`); otherwise the kernels read their GGUF rows in place. residual: the activations
+        go in as two int8 terms, each row's blocks and what their rounding left out (csrc/runtime.cpp
+        `smk_matmul_multi_residual`): ~1/254 of the plain call's activation error, for calls of one row
+        (single-stream decode, where it costs ~2%); calls of more rows take the plain product."""
         _need()
+        self._fn = _lib.smk_matmul_multi_residual if residual else _lib.smk_matmul_multi
         if not 1 <= len(ws) <= 16:
             raise ValueError(f"matmul: want 1 to 16 weights, got {len(ws)}")
         kws: list[KernelWeight] = []
@@ -425,8 +430,8 @@ class WeightMatmul:
         out = _out(out, (m, n), torch.float32, "matmul")
         if m == 0 or n == 0:
             return out
-        rc = _lib.smk_matmul_multi(self._count, self._types, self._ptrs, self._strides, self._ns, self.k,
-                                   x.data_ptr(), self.k, m, out.data_ptr(), n)
+        rc = self._fn(self._count, self._types, self._ptrs, self._strides, self._ns, self.k,
+                      x.data_ptr(), self.k, m, out.data_ptr(), n)
         if rc != 0:
             raise ValueError(f"matmul: native kernel refused tensor {self.name!r} (code {rc})")
         return out

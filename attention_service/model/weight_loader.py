@@ -24,6 +24,15 @@ from splitmoe.modelfile.gguf_file import GGUFFile
 Shape = tuple[int, ...]
 
 
+def is_attention_projection(name: str) -> bool:
+    """GGUF's attention projections (blk.N.attn_q / _k / _v / _qkv / _output, MLA's attn_q_a / _q_b /
+    _kv_a_mqa / _kv_b, and views of them): a single decode row takes the int8 kernel in two terms. On the
+    fixtures (bfloat16, one token a step, teacher-forced; tests/attention_service/model/test_decode_fidelity.py)
+    the decode path moved 17 positions over the sixteen files with one term, llama4 q8_0 and dbrx q4_k_m
+    more than llama.cpp (17 in all), and 4 with two."""
+    return ".attn_" in name
+
+
 def quantized_mode(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether linear weights stay quantized: the bfloat16 ("fast") mode on the CPU."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu"
@@ -63,7 +72,7 @@ class WeightLoader:
 
     def _linear(self, qt: QuantTensor) -> torch.Tensor | QuantLinear:
         if self.quantized and len(qt.shape) == 2 and is_block_quantized(qt.ggml_type):
-            return QuantLinear(qt, self.dtype)
+            return QuantLinear(qt, self.dtype, residual=is_attention_projection(qt.name))
         return self._dense(qt)
 
     def heads(self, name: str, shape: Shape) -> torch.Tensor | QuantHeads:

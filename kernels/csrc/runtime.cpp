@@ -335,8 +335,8 @@ int num_threads() { return g_threads.load(std::memory_order_relaxed); }
 
 uint8_t* scratch(int slot, size_t n) {
     struct Slots {
-        void* p[8] = {};
-        size_t cap[8] = {};
+        void* p[kScratchSlots] = {};
+        size_t cap[kScratchSlots] = {};
         ~Slots() { for (void* q : p) std::free(q); }
     };
     thread_local Slots s;
@@ -562,8 +562,11 @@ bool rows_fit(int type, int rows, int k, size_t wstride) {
 // earlier weights' rows and a row of `out` is ostride floats. The activations are quantized once
 // for all the weights (a layer's q, k and v; gate and up). Returns 0, or a negative error code
 // (the Python side validated the arguments already; this is the last line of defence).
-SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
-                             const int* ns, int k, const float* x, size_t xstride, int m, float* out, size_t ostride) {
+namespace {
+constexpr int kResidualMaxRows = 1;
+
+int matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides, const int* ns, int k,
+                 const float* x, size_t xstride, int m, float* out, size_t ostride, bool residual) {
     const Kernels& K = kernels();
     if (n_w <= 0 || n_w > 16 || k <= 0 || m < 0) return -2;
     DotRowsFn dot[16];
@@ -579,15 +582,32 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
     }
     if (ostride < size_t(total)) return -2;
     if (total == 0 || m == 0) return 0;
+    residual = residual && m <= kResidualMaxRows;
     const size_t rb = act_bytes(k);
-    uint8_t* buf = scratch(0, rb * size_t(m) + sizeof(Act) * size_t(m));
+    const int rows = residual ? 2 * m : m;  // residual: x's rows, then what their rounding left out
+    uint8_t* buf = scratch(0, rb * size_t(rows) + sizeof(Act) * size_t(rows));
     if (!buf) return -3;
     quantize_rows(x, xstride, m, k, buf);
-    Act* acts = reinterpret_cast<Act*>(buf + rb * size_t(m));
+    Act* acts = reinterpret_cast<Act*>(buf + rb * size_t(rows));
     for (int t = 0; t < m; ++t) acts[t] = act_at(buf + rb * size_t(t), k);
+    float* y = out;
+    size_t ystride = ostride;
+    if (residual) {
+        float* r = reinterpret_cast<float*>(scratch(8, sizeof(float) * size_t(m) * size_t(k)));
+        y = reinterpret_cast<float*>(scratch(9, sizeof(float) * size_t(rows) * size_t(total)));
+        if (!r || !y) return -3;
+        ystride = size_t(total);
+        for (int t = 0; t < m; ++t) {
+            const float* xt = x + size_t(t) * xstride;
+            float* rt = r + size_t(t) * k;
+            for (int i = 0; i < k; ++i) rt[i] = xt[i] - float(acts[t].q[i]) * acts[t].d[i / 32];
+        }
+        quantize_rows(r, size_t(k), m, k, buf + rb * size_t(m));
+        for (int t = m; t < rows; ++t) acts[t] = act_at(buf + rb * size_t(t), k);
+    }
     MatmulJob j;
-    j.dot = dot; j.w = ws; j.wstride = wstrides; j.col = col; j.k = k; j.m = m; j.acts = acts;
-    j.out = out; j.ostride = ostride;
+    j.dot = dot; j.w = ws; j.wstride = wstrides; j.col = col; j.k = k; j.m = rows; j.acts = acts;
+    j.out = y; j.ostride = ystride;
     // Chunks of rows small enough to balance (about 8 per thread over all the weights) and to keep
     // the per-row writes of neighbouring threads apart.
     const int nt = num_threads();
@@ -600,7 +620,36 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
     } else {
         parallel(matmul_job, &j);
     }
+    if (residual)
+        for (int t = 0; t < m; ++t) {
+            const float* a = y + size_t(t) * ystride;
+            const float* b = y + size_t(m + t) * ystride;
+            float* o = out + size_t(t) * ostride;
+            for (int c = 0; c < total; ++c) o[c] = a[c] + b[c];
+        }
     return 0;
+}
+}  // namespace
+
+SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
+                             const int* ns, int k, const float* x, size_t xstride, int m, float* out, size_t ostride) {
+    return matmul_multi(n_w, types, ws, wstrides, ns, k, x, xstride, m, out, ostride, false);
+}
+
+// smk_matmul_multi with the activations in two int8 terms: each row as smk_matmul_multi quantizes it,
+// plus what that rounding left out (x minus its dequantized blocks, at most half a step of the block's
+// scale), quantized the same way; out is the sum of both products. The product's activation error falls
+// from ~1/254 of each block's largest value to ~1/254 of that. The attention projections use it: their
+// int8 rounding is what moved the decode path's logits further from the exact reference than the prompt
+// path's (which multiplies in bfloat16), flipping routing near-ties llama.cpp's own decode does not flip
+// (tests/attention_service/model/test_decode_fidelity.py). Only for a call of one row (single-stream
+// decode), where the weights' bytes bound it and the second term rides in the same tile: measured in the
+// 6-layer Qwen3-30B-A3B shape's attention front on Zen 5, ~2% at 1 row, +25% at 4, +40% at 8 and +60% at
+// 16 (the tiles turn compute-bound); more rows take the plain call.
+SMK_API int smk_matmul_multi_residual(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
+                                      const int* ns, int k, const float* x, size_t xstride, int m, float* out,
+                                      size_t ostride) {
+    return matmul_multi(n_w, types, ws, wstrides, ns, k, x, xstride, m, out, ostride, true);
 }
 
 namespace {

@@ -200,7 +200,9 @@ int num_threads();
 
 // A 64-byte aligned buffer of at least n bytes owned by the calling thread, reused across calls
 // (no allocation, no fresh pages to fault in per call). `slot` tells apart the buffers one call
-// needs at once. Valid until the same thread asks for the same slot again.
+// needs at once. Valid until the same thread asks for the same slot again. Slots: 0 the matmuls'
+// activations, 1-5 the MoE layer, 6 attention, 7 the attention front, 8-9 the two-term matmul.
+constexpr int kScratchSlots = 10;
 uint8_t* scratch(int slot, size_t n);
 
 // ---- scalar helpers -------------------------------------------------------------------------
