@@ -5,8 +5,8 @@ a `QuantLinear`: the file's blocks (a read-only view of the mmap, no copy) compu
 time. `linear(x, w, bias)` dispatches on which:
 
 * few rows (<= SMALL_BATCH_ROWS, decode): the native int8 kernel `kernels.native.matmul`, which
-  reads each weight byte once and quantizes the activations to int8 per block as ggml does (a single
-  row of the attention projections in two int8 terms: `residual`, see QuantLinear);
+  reads each weight byte once and quantizes the activations to int8 per block as ggml does (the
+  attention projections in two int8 terms in steps of one sequence: `single_sequence_step`);
 * many rows (prefill): the weight is dequantized in row chunks into a reused per-thread scratch
   buffer and multiplied by torch's GEMM in `kernels.cpu_features.gemm_dtype()`: bfloat16 where
   the CPU computes it natively (AVX512-BF16, AMX), float32 elsewhere (a bfloat16 GEMM without
@@ -50,6 +50,22 @@ DENSE_TYPES = frozenset({int(T.F32), int(T.F16), int(T.BF16)})
 _UNSET = object()
 _native_module = _UNSET
 _scratch = threading.local()
+
+
+class _Step(threading.local):
+    single = False
+
+
+_step = _Step()
+
+
+def single_sequence_step(single: bool) -> None:
+    """Tell this thread's quantized linears whether the step they compute has one sequence (a decode
+    token, or a stream's speculative verification rows): then the attention projections' int8 rows
+    take two terms, as the native attention front does for such steps, so a verification row computes
+    as a decode step and both as close to the exact weights as the prompt path. Steps of several
+    sequences keep one term: batched decode pays the second term most (+25% at 4 rows, +60% at 16)."""
+    _step.single = single
 _warned_types: set[int] = set()
 
 
@@ -84,8 +100,9 @@ class QuantLinear:
     """A 2-D [out_features, in_features] weight kept quantized, with its routes (module doc)."""
 
     def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16, residual: bool = False):
-        """residual: a single row goes to the int8 kernel in two terms (`native.WeightMatmul`'s residual),
-        for the attention projections, whose activation rounding moves routing near-ties downstream."""
+        """residual: the attention projections, whose activation rounding moves routing near-ties
+        downstream: in a step of one sequence (`single_sequence_step`) their rows go to the int8 kernel
+        in two terms (`native.WeightMatmul`'s residual)."""
         if len(qt.shape) != 2:
             raise ValueError(f"tensor {qt.name!r}: a linear weight must be 2-D, not {list(qt.shape)}")
         if not is_block_quantized(qt.ggml_type):
@@ -101,7 +118,7 @@ class QuantLinear:
         # for that (one copy, shared by this linear, its fused group and the native decode layer)
         self.kernel = nat.kernel_weight(qt, pack=True) if self._native is not None else None
         self.residual = residual
-        self._matmul = nat.WeightMatmul(self.kernel, residual=residual) if self._native is not None else None
+        self._matmul = nat.WeightMatmul(self.kernel) if self._native is not None else None
         self._chunks = self._row_chunks() if self._native is not None else []
         # Only when no native kernel covers this type: the dense copy the fallback computes with.
         self.dense = None
@@ -141,7 +158,7 @@ class QuantLinear:
         elif m <= SMALL_BATCH_ROWS:
             if x2.dtype != torch.float32 or not x2.is_contiguous():
                 x2 = x2.float().contiguous()
-            y = self._matmul(x2)
+            y = self._matmul(x2, residual=self.residual and _step.single)
         else:
             y = self._dequantize_gemm(x2)
         if bias is not None:
@@ -260,8 +277,8 @@ class LinearGroup:
         nat = native()
         fusable = len(weights) > 1 and all(isinstance(w, QuantLinear) and w.route == "native" for w in weights) \
             and len({w.in_features for w in weights}) == 1
-        residual = fusable and all(w.residual for w in weights)
-        self._fused = nat.WeightMatmul(*(w.kernel for w in weights), residual=residual) if fusable else None
+        self._residual = fusable and all(w.residual for w in weights)
+        self._fused = nat.WeightMatmul(*(w.kernel for w in weights)) if fusable else None
 
     def __call__(self, x: torch.Tensor, biases: tuple[torch.Tensor | None, ...] | None = None) -> tuple[torch.Tensor, ...]:
         biases = biases or (None,) * len(self.weights)
@@ -270,7 +287,7 @@ class LinearGroup:
             return tuple(linear(x, w, b) for w, b in zip(self.weights, biases))
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        parts = self._fused(x2).split(self._fused.sizes, dim=1)
+        parts = self._fused(x2, residual=self._residual and _step.single).split(self._fused.sizes, dim=1)
         out = []
         for part, b in zip(parts, biases):
             if b is not None:

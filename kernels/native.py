@@ -387,15 +387,11 @@ class WeightMatmul:
     checks done once: a decode step makes a few hundred calls per weight set, and checking the
     weights each time costs more than a small projection's work."""
 
-    def __init__(self, *ws: QuantTensor | KernelWeight, pack: bool = False, residual: bool = False) -> None:
+    def __init__(self, *ws: QuantTensor | KernelWeight, pack: bool = False) -> None:
         """ws: GGUF tensors, or `KernelWeight`s made once and shared (a layer's q both alone and fused
         with k and v); pack: tensors given as QuantTensor are packed where that pays (see
-        `repack_enabled`); otherwise the kernels read their GGUF rows in place. residual: the activations
-        go in as two int8 terms, each row's blocks and what their rounding left out (csrc/runtime.cpp
-        `smk_matmul_multi_residual`): ~1/254 of the plain call's activation error, for calls of one row
-        (single-stream decode, where it costs ~2%); calls of more rows take the plain product."""
+        `repack_enabled`); otherwise the kernels read their GGUF rows in place."""
         _need()
-        self._fn = _lib.smk_matmul_multi_residual if residual else _lib.smk_matmul_multi
         if not 1 <= len(ws) <= 16:
             raise ValueError(f"matmul: want 1 to 16 weights, got {len(ws)}")
         kws: list[KernelWeight] = []
@@ -423,15 +419,19 @@ class WeightMatmul:
         self._ns = (ctypes.c_int * count)(*self.sizes)
         self.packed = tuple(w.packed for w in kws)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [m, n]: the weights' outputs side by side, in the order given."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, residual: bool = False) -> torch.Tensor:
+        """float32 [m, n]: the weights' outputs side by side, in the order given. residual: the activations
+        go in as two int8 terms, each row's blocks and what their rounding left out (csrc/runtime.cpp
+        `smk_matmul_multi_residual`): ~1/254 of the plain call's activation error, ~2% dearer at one row,
+        +25% at 4 and +60% at 16 (the tiles turn compute-bound)."""
         x = _check_x(x, self.k, "matmul")
         m, n = x.shape[0], self.n
         out = _out(out, (m, n), torch.float32, "matmul")
         if m == 0 or n == 0:
             return out
-        rc = self._fn(self._count, self._types, self._ptrs, self._strides, self._ns, self.k,
-                      x.data_ptr(), self.k, m, out.data_ptr(), n)
+        fn = _lib.smk_matmul_multi_residual if residual else _lib.smk_matmul_multi
+        rc = fn(self._count, self._types, self._ptrs, self._strides, self._ns, self.k,
+                x.data_ptr(), self.k, m, out.data_ptr(), n)
         if rc != 0:
             raise ValueError(f"matmul: native kernel refused tensor {self.name!r} (code {rc})")
         return out

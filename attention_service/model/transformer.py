@@ -26,6 +26,7 @@ from splitmoe.attention_service.model.layers import NORMS, linear, swiglu
 from splitmoe.attention_service.model.lora import StepLora
 from splitmoe.attention_service.model.routing import limit_experts, route, sums_to_one
 from splitmoe.attention_service.model.weights import LayerWeights, ModelWeights
+from splitmoe.kernels.linear import single_sequence_step
 from splitmoe.modelfile.architectures.base import ArchSpec
 from splitmoe.modelfile.hparams import ModelConfig
 
@@ -110,6 +111,7 @@ class MoETransformer:
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Float32 logits [len(batch.logits_rows), vocab]."""
         w, eps = self.weights, self.cfg.norm_eps
+        single_sequence_step(len(batch.seqs) == 1)  # the attention projections' int8 rows in two terms then
         # The residual stream stays float32 whatever the weights' dtype: in bfloat16 its rounding
         # is what flips near-tied routing decisions.
         x = w.token_embedding[batch.token_ids].float()

@@ -26,7 +26,8 @@ Shape = tuple[int, ...]
 
 def is_attention_projection(name: str) -> bool:
     """GGUF's attention projections (blk.N.attn_q / _k / _v / _qkv / _output, MLA's attn_q_a / _q_b /
-    _kv_a_mqa / _kv_b, and views of them): a single decode row takes the int8 kernel in two terms. On the
+    _kv_a_mqa / _kv_b, and views of them): in a step of one sequence their rows take the int8 kernel in two
+    terms (kernels/linear.py `single_sequence_step`). On the
     fixtures (bfloat16, one token a step, teacher-forced; tests/attention_service/model/test_decode_fidelity.py)
     the decode path moved 17 positions over the sixteen files with one term, llama4 q8_0 and dbrx q4_k_m
     more than llama.cpp (17 in all), and 4 with two."""

@@ -10,8 +10,8 @@
 //
 // The routed experts, the shared expert and the FFN's residual add stay with the caller. Numbers
 // are float32 throughout; the torch path's one difference is that it rounds the normed input to
-// bfloat16 before the quantized linears quantize it. The projections take their input in two int8
-// terms (smk_matmul_multi_residual), as the attention side's quantized linears do for decode rows.
+// bfloat16 before the quantized linears quantize it. In a step of one sequence the projections take
+// their input in two int8 terms (smk_matmul_multi_residual), as the quantized linears do then.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -20,6 +20,8 @@
 #include "kv_quant.h"
 #include "smk.h"
 
+extern "C" int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
+                                const int* ns, int k, const float* x, size_t xstride, int m, float* out, size_t ostride);
 extern "C" int smk_matmul_multi_residual(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
                                 const int* ns, int k, const float* x, size_t xstride, int m, float* out, size_t ostride);
 extern "C" int smk_attention(const float* q, int T, int H, int G, int Dk, int Dv, const void* k, int64_t k_row_stride,
@@ -162,12 +164,14 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
     float* att = qkv + size_t(T) * nqkv;
     float* qrows = att + size_t(T) * H * Dv;
     rms_norm_rows(x, T, D, L->attn_norm, L->eps, hn);
+    // One sequence (a decode token, or a stream's verification rows): the projections in two int8 terms.
+    const auto matmul = S->n_seqs == 1 ? smk_matmul_multi_residual : smk_matmul_multi;
     {
         const int types[3] = {L->q.type, L->k.type, L->v.type};
         const uint8_t* ws[3] = {L->q.w, L->k.w, L->v.w};
         const size_t strides[3] = {size_t(L->q.row_bytes), size_t(L->k.row_bytes), size_t(L->v.row_bytes)};
         const int ns[3] = {nq, nk, nv};
-        const int rc = smk_matmul_multi_residual(3, types, ws, strides, ns, D, hn, size_t(D), T, qkv, size_t(nqkv));
+        const int rc = matmul(3, types, ws, strides, ns, D, hn, size_t(D), T, qkv, size_t(nqkv));
         if (rc) return rc;
         if (lora && lora(0, hn, qkv)) return -4;
     }
@@ -209,7 +213,7 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
         const uint8_t* w = L->o.w;
         const size_t stride = size_t(L->o.row_bytes);
         const int n = D;
-        rc = smk_matmul_multi_residual(1, &type, &w, &stride, &n, H * Dv, att, size_t(H) * Dv, T, hn, size_t(D));
+        rc = matmul(1, &type, &w, &stride, &n, H * Dv, att, size_t(H) * Dv, T, hn, size_t(D));
         if (rc) return rc;
         if (lora && lora(1, att, hn)) return -4;
         for (int t = 0; t < T; ++t)

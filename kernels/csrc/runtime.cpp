@@ -563,8 +563,6 @@ bool rows_fit(int type, int rows, int k, size_t wstride) {
 // for all the weights (a layer's q, k and v; gate and up). Returns 0, or a negative error code
 // (the Python side validated the arguments already; this is the last line of defence).
 namespace {
-constexpr int kResidualMaxRows = 1;
-
 int matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides, const int* ns, int k,
                  const float* x, size_t xstride, int m, float* out, size_t ostride, bool residual) {
     const Kernels& K = kernels();
@@ -582,7 +580,6 @@ int matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size
     }
     if (ostride < size_t(total)) return -2;
     if (total == 0 || m == 0) return 0;
-    residual = residual && m <= kResidualMaxRows;
     const size_t rb = act_bytes(k);
     const int rows = residual ? 2 * m : m;  // residual: x's rows, then what their rounding left out
     uint8_t* buf = scratch(0, rb * size_t(rows) + sizeof(Act) * size_t(rows));
@@ -642,10 +639,10 @@ SMK_API int smk_matmul_multi(int n_w, const int* types, const uint8_t* const* ws
 // from ~1/254 of each block's largest value to ~1/254 of that. The attention projections use it: their
 // int8 rounding is what moved the decode path's logits further from the exact reference than the prompt
 // path's (which multiplies in bfloat16), flipping routing near-ties llama.cpp's own decode does not flip
-// (tests/attention_service/model/test_decode_fidelity.py). Only for a call of one row (single-stream
-// decode), where the weights' bytes bound it and the second term rides in the same tile: measured in the
-// 6-layer Qwen3-30B-A3B shape's attention front on Zen 5, ~2% at 1 row, +25% at 4, +40% at 8 and +60% at
-// 16 (the tiles turn compute-bound); more rows take the plain call.
+// (tests/attention_service/model/test_decode_fidelity.py). The second term rides in the same tiles:
+// measured in the 6-layer Qwen3-30B-A3B shape's attention front on Zen 5, ~2% at 1 row (the weights'
+// bytes bound it), +25% at 4, +40% at 8 and +60% at 16 (the tiles turn compute-bound), so callers use it
+// for steps of one sequence (a decode token, a stream's verification rows) and not for batched streams.
 SMK_API int smk_matmul_multi_residual(int n_w, const int* types, const uint8_t* const* ws, const size_t* wstrides,
                                       const int* ns, int k, const float* x, size_t xstride, int m, float* out,
                                       size_t ostride) {
