@@ -394,7 +394,7 @@ def _log_fast_path(fast: Mapping[int, FastMoELayer], ffns_by_layer: Mapping[int,
     n_dense = total - n_native - n_int4
     dtype = gemm_dtype()
     if use_native:
-        packed = [layer for layer in fast.values() if layer._native is not None and layer._native.all_packed]
+        packed = [layer for layer in fast.values() if (nat := layer.native_layer()) is not None and nat.all_packed]
         where = ("packed by 16 rows at load" if len(packed) == len(fast) else "read in place from the GGUF"
                  if not packed else f"packed by 16 rows at load in {len(packed)} of {len(fast)} layers")
         how = (f"native kernels ({native.isa()}, {native.get_num_threads()} threads) on {n_native} experts, "

@@ -597,7 +597,10 @@ int matmul_multi(int n_w, const int* types, const uint8_t* const* ws, const size
         for (int t = 0; t < m; ++t) {
             const float* xt = x + size_t(t) * xstride;
             float* rt = r + size_t(t) * k;
-            for (int i = 0; i < k; ++i) rt[i] = xt[i] - float(acts[t].q[i]) * acts[t].d[i / 32];
+            for (int b = 0; b < k / 32; ++b) {  // rows_fit: k is whole blocks of 32 (or 256)
+                const float d = acts[t].d[b];
+                for (int i = 32 * b; i < 32 * b + 32; ++i) rt[i] = xt[i] - float(acts[t].q[i]) * d;
+            }
         }
         quantize_rows(r, size_t(k), m, k, buf + rb * size_t(m));
         for (int t = m; t < rows; ++t) acts[t] = act_at(buf + rb * size_t(t), k);
