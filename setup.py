@@ -33,6 +33,8 @@ SOURCES = [
     "kernels/csrc/attention_avx2.cpp",
     "kernels/csrc/attention_avx512.cpp",
     "kernels/csrc/decode_layer.cpp",
+    "kernels/csrc/route.cpp",
+    "kernels/csrc/decode_moe_layer.cpp",
     "expert_service/csrc/hop_server.cpp",  # the doorbell's C++ loop, beside expert_service/doorbell.py
     "kernels/csrc/repack.cpp",
 ]

@@ -69,6 +69,7 @@ def instrument(runner, timers: Timers) -> None:
     from splitmoe.attention_service.model.kv_cache import KVCache
     from splitmoe.attention_service.model.layers import Rope
     from splitmoe.kernels.decode_layer import AttentionFront
+    from splitmoe.kernels.decode_moe_layer import LocalMoELayer
     from splitmoe.kernels.linear import LinearGroup, QuantEmbedding
 
     w = runner.model.weights
@@ -103,6 +104,7 @@ def instrument(runner, timers: Timers) -> None:
     timers.wrap(runner.model, "norm", "norm")  # the architecture's norm (RMSNorm or LayerNorm), bound at init
     timers.wrap(LinearGroup, "__call__", label_of=lambda group, *rest: names.get(id(group), "other linear"))
     timers.wrap(AttentionFront, "__call__", "attention front (native, fused)")
+    timers.wrap(LocalMoELayer, "__call__", "decode layer (native: front, route, experts)")
     timers.wrap(transformer.MoETransformer, "shared_ffn", "shared expert")
     timers.wrap(attention, "decode_attention", "attention (native)")
     timers.wrap(mla, "decode_attention", "attention (native)")

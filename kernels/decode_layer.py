@@ -171,15 +171,7 @@ class AttentionFront:
         """x float32 [T, D] (updated in place: + attention) -> (the FFN's normed input [T, D],
         router logits [T, E] or None). `lora`: adds adapters' deltas to the products (FrontLora)."""
         T = step.context.num_rows
-        if x.shape != (T, self.hidden_size) or x.dtype != torch.float32 or not x.is_contiguous() \
-                or x.device.type != "cpu":
-            raise ValueError(f"attention front: x must be a contiguous CPU float32 [{T}, {self.hidden_size}] "
-                             f"tensor, got {tuple(x.shape)} {x.dtype}")
-        if step.max_slot >= self.num_slots:
-            raise ValueError(f"attention front: slot {step.max_slot} outside a pool of {self.num_slots}")
-        if step.cos.shape[1] != self._struct.rope_dims:
-            raise ValueError(f"attention front: rope tables of {step.cos.shape[1]} dims, the layer rotates "
-                             f"{self._struct.rope_dims}")
+        self.check(step, x)
         h = torch.empty(T, self.hidden_size, dtype=torch.float32)
         logits = torch.empty(T, self.num_experts, dtype=torch.float32) if self.num_experts else None
         out = None if logits is None else logits.data_ptr()
@@ -196,6 +188,19 @@ class AttentionFront:
         if rc != 0:
             raise ValueError(f"attention front: native kernel refused the call (code {rc})")
         return h, logits
+
+    def check(self, step: DecodeStep, x: torch.Tensor) -> None:
+        """ValueError unless x and the step fit this layer (what the native call trusts)."""
+        T = step.context.num_rows
+        if x.shape != (T, self.hidden_size) or x.dtype != torch.float32 or not x.is_contiguous() \
+                or x.device.type != "cpu":
+            raise ValueError(f"attention front: x must be a contiguous CPU float32 [{T}, {self.hidden_size}] "
+                             f"tensor, got {tuple(x.shape)} {x.dtype}")
+        if step.max_slot >= self.num_slots:
+            raise ValueError(f"attention front: slot {step.max_slot} outside a pool of {self.num_slots}")
+        if step.cos.shape[1] != self._struct.rope_dims:
+            raise ValueError(f"attention front: rope tables of {step.cos.shape[1]} dims, the layer rotates "
+                             f"{self._struct.rope_dims}")
 
     def _lora_hook(self, T: int, lora: FrontLora, failed: list[BaseException]):
         L = self._struct

@@ -18,6 +18,7 @@ from splitmoe.attention_service.expert_backends.heat import ExpertHeat, HeatSnap
 from splitmoe.attention_service.expert_backends.placement import ServiceShard
 from splitmoe.attention_service.gpu.hop_copies import CopiesByDevice
 from splitmoe.attention_service.gpu.send_ahead import SendAhead
+from splitmoe.kernels import native
 from splitmoe.kernels.repack_cache import RepackCache
 from splitmoe.modelfile.expert_tensors import ExpertKey, ExpertShard, expert_count, moe_layers
 from splitmoe.modelfile.gguf_file import GGUFFile
@@ -139,6 +140,17 @@ class InProcessExperts:
         self.heat.add(layer, expert_ids)
         return Ready(out)
 
+    def local_layer(self, layer: int) -> LocalExperts | None:
+        """The layer's experts for a caller that computes them itself, in one native call with its
+        attention (model/transformer.py's fused decode layers; kernels/decode_moe_layer.py): where
+        every expert of the layer has a native kernel here. That call counts its tokens into this
+        backend's heat itself."""
+        fast = self.shard.prepare_fast().get(layer)
+        moe = fast and fast.native_layer()
+        if moe is None or moe.hidden_size is None:
+            return None
+        return LocalExperts(moe, fast.native_max_tokens, self.heat.counts_row(layer))
+
     def health(self) -> dict[str, "ServiceHealth"]:
         return {}
 
@@ -170,6 +182,15 @@ class InProcessExperts:
 
     def close(self) -> None:
         self._ahead.close()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalExperts:
+    """`InProcessExperts.local_layer`'s answer: one layer's native experts, the most tokens one call
+    of them may take, and the heat's row its tokens are counted into ([experts] int64)."""
+    experts: native.MoELayer
+    max_tokens: int
+    counts: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)

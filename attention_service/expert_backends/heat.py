@@ -59,6 +59,11 @@ class ExpertHeat:
         """Count one layer call's routing [T, K] (on the CPU; -1: no expert)."""
         self._counts.add(layer, expert_ids)
 
+    def counts_row(self, layer: int) -> torch.Tensor:
+        """The layer's tokens-so-far row ([experts] int64, a view): native code on the data path adds
+        to it in place of `add` (kernels/decode_moe_layer.py)."""
+        return self._counts.table[layer]
+
     def add_table(self, tokens: torch.Tensor) -> None:
         """Add tokens counted elsewhere ([layers, experts] int64: the GPU's hot experts'): they
         are routed tokens, though not computed by the backend this heat belongs to."""

@@ -21,6 +21,7 @@ from splitmoe.attention_service.expert_backends.backend import ExpertBackend, Ex
 from splitmoe.attention_service.model.attention import use_native_decode
 from splitmoe.attention_service.model.attention_kinds import attention_class
 from splitmoe.attention_service.model.batch import StepBatch
+from splitmoe.attention_service.model.fused_layers import fused_layers
 from splitmoe.attention_service.model.kv_cache import KVCache
 from splitmoe.attention_service.model.layers import NORMS, linear, swiglu
 from splitmoe.attention_service.model.lora import StepLora
@@ -100,6 +101,7 @@ class MoETransformer:
         # on the first decode step: None until then, [] where some layer cannot take it.
         self._fronts: list | None = None
         self._fronts_kv: KVCache | None = None
+        self._fused: list = []  # per layer with a front: its fused call with the experts, or None (fused_layers)
         # The MTP drafter reads every row's final-normed hidden state (model/nextn.py): kept when set.
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
@@ -126,7 +128,12 @@ class MoETransformer:
         elif fronts:
             step = self.attention.decode_step(batch)
             x = x.contiguous()
+            # Layers whose experts are here too: one native call each (model/fused_layers.py).
+            fused = self._fused if lora is None and per_token is None else ()
             for i, (layer, front) in enumerate(zip(w.layers, fronts)):
+                if fused and fused[i] is not None and x.shape[0] <= fused[i].max_tokens:
+                    fused[i](step, x)  # x += attention, + routed experts, in place
+                    continue
                 h32, logits = front(step, x, front_lora and front_lora(i))  # x += attention, in place
                 x += self.ffn(i, layer, h32, batch, top_k, logits)
         else:
@@ -180,6 +187,8 @@ class MoETransformer:
                     break
                 fronts.append(front)
             self._fronts, self._fronts_kv = fronts, kv
+            self._fused = fused_layers(self.cfg, self.spec, self.weights.layers, fronts, self.experts, self.dtype) \
+                if fronts else []
         return self._fronts
 
     def attention_block(self, i: int, layer: LayerWeights, x: torch.Tensor, batch: StepBatch,

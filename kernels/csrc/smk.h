@@ -15,6 +15,15 @@
 // (and then spill their register accumulators to the stack).
 #define SMK_ALWAYS_INLINE inline __attribute__((always_inline))
 
+// The router's rule (route.cpp smk_route), shared by its callers.
+struct SmkRouting {
+    int32_t E, K;
+    int32_t gating;       // 0 softmax, 1 sigmoid, 2 softmax_weight (kernels/decode_moe_layer.py Gating)
+    int32_t renormalize;
+    float scale;
+    const float* selection_bias;  // [E] or null: added to choose, not to weigh
+};
+
 namespace smk {
 
 // GGML type ids (ggml.h / gguf-py GGMLQuantizationType).
