@@ -118,6 +118,18 @@ def instrument(runner, timers: Timers) -> None:
     timers.wrap(QuantEmbedding, "__getitem__", "embedding")
 
 
+def hop_summary(before: dict, after: dict, steps: int) -> str:
+    """The unwrapped steps' hops to the expert services: per hop, the service's compute and the rest
+    of the round trip; "" without services."""
+    n = sum(a.num_hops - before[k].num_hops for k, a in after.items() if k in before)
+    if not n:
+        return ""
+    hop_s = sum(a.hop_s_total - before[k].hop_s_total for k, a in after.items() if k in before)
+    compute_s = sum(a.compute_s_total - before[k].compute_s_total for k, a in after.items() if k in before)
+    return (f"hops: {n / steps:.1f} a step; per hop {hop_s / n * 1e6:.1f} us round trip, {compute_s / n * 1e6:.1f} us "
+            f"computing in the service, {(hop_s - compute_s) / n * 1e6:.1f} us the rest")
+
+
 def decode_tokens(runner, seqs, n: int, sample) -> float:
     """Seconds for n decode steps of `seqs` together (greedy)."""
     t0 = time.perf_counter()
@@ -185,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             seq.token_ids.append(sample(row))
         prefill_s = time.perf_counter() - prefill_s
         decode_tokens(runner, seqs, 8, sample)  # warm-up
+        hops_before = runner.model.experts.stats()
         plain_s = decode_tokens(runner, seqs, args.tokens, sample)
+        hops = hop_summary(hops_before, runner.model.experts.stats(), args.tokens)
         timers = Timers()
         instrument(runner, timers)
         timers.wrap(sampling, "_argmax", "sampling (argmax)")
@@ -204,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.streams * args.context / prefill_s:.1f} tok/s, one step, cold)")
     print(f"decode step of {args.streams} stream(s): {plain_s / n * 1e3:.2f} ms ({n * args.streams / plain_s:.1f} tok/s) "
           f"unwrapped, {step_us / 1e3:.2f} ms wrapped")
+    if hops:
+        print(hops)
     print(f"{'what':32s} {'us/step':>9s} {'us/layer':>9s} {'calls/step':>11s} {'share':>6s}")
     rows = sorted(per_token_us.items(), key=lambda kv: -kv[1]) + [("(unaccounted: Python between ops)", step_us - accounted)]
     for label, us in rows:
