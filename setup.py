@@ -35,6 +35,7 @@ SOURCES = [
     "kernels/csrc/decode_layer.cpp",
     "kernels/csrc/route.cpp",
     "kernels/csrc/decode_moe_layer.cpp",
+    "attention_service/expert_backends/csrc/direct_hop.cpp",  # the doorbell client of a fused decode layer
     "expert_service/csrc/hop_server.cpp",  # the doorbell's C++ loop, beside expert_service/doorbell.py
     "kernels/csrc/repack.cpp",
 ]

@@ -65,6 +65,7 @@ class Timers:
 
 def instrument(runner, timers: Timers) -> None:
     """Wrap the pieces of a decode step of `runner` (a ModelRunner)."""
+    from splitmoe.attention_service.expert_backends.direct_hop import RemoteMoELayer
     from splitmoe.attention_service.model import attention, mla, transformer
     from splitmoe.attention_service.model.kv_cache import KVCache
     from splitmoe.attention_service.model.layers import Rope
@@ -105,6 +106,7 @@ def instrument(runner, timers: Timers) -> None:
     timers.wrap(LinearGroup, "__call__", label_of=lambda group, *rest: names.get(id(group), "other linear"))
     timers.wrap(AttentionFront, "__call__", "attention front (native, fused)")
     timers.wrap(LocalMoELayer, "__call__", "decode layer (native: front, route, experts)")
+    timers.wrap(RemoteMoELayer, "__call__", "decode layer (native: front, route, hop)")
     timers.wrap(transformer.MoETransformer, "shared_ffn", "shared expert")
     timers.wrap(attention, "decode_attention", "attention (native)")
     timers.wrap(mla, "decode_attention", "attention (native)")

@@ -102,9 +102,9 @@ class LocalMoELayer:
                                      None if counts is None else counts.data_ptr(), int(bfloat16))
         self._ids = torch.empty(0, router.top_k, dtype=torch.int32)
 
-    def __call__(self, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
-        """x float32 [T, D], updated in place (+ attention, + routed experts) -> the routing's ids
-        [T, K] int32 (valid until the next call)."""
+    def __call__(self, step: DecodeStep, x: torch.Tensor) -> bool:
+        """x float32 [T, D], updated in place (+ attention, + routed experts); True (the layer is done:
+        the fused layers' common answer). The routing's ids [T, K] int32 stay in `ids` until the next call."""
         T = step.context.num_rows
         self.front.check(step, x)
         if self._ids.shape[0] != T:
@@ -114,4 +114,8 @@ class LocalMoELayer:
                                               x.data_ptr(), self._ids.data_ptr())
         if rc != 0:
             raise ValueError(f"fused MoE layer: native kernel refused the call (code {rc})")
+        return True
+
+    @property
+    def ids(self) -> torch.Tensor:
         return self._ids

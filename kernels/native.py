@@ -113,6 +113,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_attn_front", I, [P, P, P, P, P, P]),
         ("smk_route", I, [P, P, I, P, P]),
         ("smk_decode_moe_layer", I, [P, P, I, P, P, P, P]),
+        ("smk_decode_remote_layer", I, [P, P, I, I, P, P, P, P, P, P, P, P, I]),
         ("smk_hop_server_new", P, [P, I, I, P]),
         ("smk_hop_server_free", None, [P]),
         ("smk_hop_server_set_layers", None, [P, P, I]),

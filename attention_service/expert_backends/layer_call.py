@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from splitmoe.attention_service.expert_backends.direct_hop import DirectHop
 from splitmoe.attention_service.expert_backends.placement import ExpertsUnavailable
 from splitmoe.attention_service.expert_backends.service_client import ExpertRequestError, Hop, HopFailed
 from splitmoe.attention_service.expert_backends.services import NOT_WANTED, ExpertServices, ServicePart
@@ -51,6 +52,25 @@ class InFlightCalls:
             self._calls.append(call)
             call.send_locked(expert_ids)
         return call
+
+    def direct(self, layer: int, num_rows: int, top_k: int, hidden_size: int, counts: torch.Tensor) -> DirectHop | None:
+        """The layer's hop target for native code (direct_hop.py), with the data path's lock and the
+        service's link held until its `finish`; None (nothing held) where the usual path must send it."""
+        self._lock.acquire()
+        try:
+            service = None if self._calls else self._services.single_owner(layer)
+            client = None if service is None else self._services.clients[service]
+            link = None if client is None else client.direct_link()
+            slot = None if link is None else link.direct_slot(num_rows, top_k, hidden_size, torch.bfloat16)
+        except BaseException:
+            self._lock.release()
+            raise
+        if slot is None or not client.hold_link(link):  # held: the link stays open until the hop is done
+            self._lock.release()
+            return None
+        index, region, layout = slot
+        return DirectHop(self._services, service, client, link, self._lock, layer, index, region, layout, counts,
+                         num_rows, num_rows * hidden_size * 2)
 
     @contextlib.contextmanager
     def drained(self) -> Iterator[None]:

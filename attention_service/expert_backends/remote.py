@@ -30,6 +30,7 @@ import torch
 
 from splitmoe.attention_service.expert_backends.auto_rebalance import AutoRebalancer
 from splitmoe.attention_service.expert_backends.backend import ExpertsHandle, HopStats, Ready, ServiceHealth
+from splitmoe.attention_service.expert_backends.direct_hop import DirectHop
 from splitmoe.attention_service.expert_backends.heat import ExpertHeat, HeatSnapshot, load_heat, save_heat
 from splitmoe.attention_service.expert_backends.hot import HotExperts, PlusLocal
 from splitmoe.attention_service.expert_backends.layer_call import InFlightCalls
@@ -141,6 +142,14 @@ class RemoteExperts:
         here, there = hot.split(layer, ids)
         handle = self._in_flight.submit(layer, hidden, there, expert_weights, new_output, hop_lora)  # services first
         return PlusLocal(handle, hot.forward(layer, hidden, here, expert_weights, lora))
+
+    def direct_hop(self, layer: int, num_rows: int, top_k: int, hidden_size: int) -> DirectHop | None:
+        """The layer's hop for native code to send and read itself (direct_hop.py), where the usual
+        path would send the whole routing to one service: no local layer, no hot experts here, one
+        service computing all of them; None otherwise. The heat counts the hop natively."""
+        if layer in self._local_layers or (self._hot is not None and self._hot.has_layer(layer)):
+            return None
+        return self._in_flight.direct(layer, num_rows, top_k, hidden_size, self.heat.counts_row(layer))
 
     def prepare_lora(self, ref: AdapterRef) -> None:
         """Have every connected service load and check the adapter now: a file it cannot read, or

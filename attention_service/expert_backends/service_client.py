@@ -381,6 +381,30 @@ class ExpertServiceClient:
             self._count(hop, reply)
             log.info("expert service %s answered an abandoned hop after %.3f s", self.address, reply.hop_s)
 
+    def direct_link(self) -> ShmLink | None:
+        """Its shared-memory link when native code may send a hop on it without this client's
+        submit and wait (expert_backends/direct_hop.py): healthy, nothing abandoned; else None."""
+        link = self._conn.link
+        return link if self.healthy and not self._abandoned and isinstance(link, ShmLink) else None
+
+    def hold_link(self, link: ShmLink) -> bool:
+        """Keep `link` open (no other thread closes it) until `release_link`, if it is still this
+        client's and healthy and nobody else holds the client now; else False, at once."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        if self.healthy and self._conn.link is link:
+            return True
+        self._lock.release()
+        return False
+
+    def release_link(self) -> None:
+        self._lock.release()
+
+    def count_direct(self, reply: Reply, sent_bytes: int, received_bytes: int, num_rows: int) -> None:
+        """A hop sent and answered natively, counted as `wait` counts one."""
+        self.counters.add(reply.hop_s, reply.compute_s, reply.overhead_s, sent_bytes, received_bytes)
+        self.budget.add(reply.hop_s, num_rows)
+
     def _count(self, hop: Hop, reply: Reply) -> None:
         received_bytes = reply.output.nbytes if reply.output is not None else 0
         self.counters.add(reply.hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, received_bytes)

@@ -216,6 +216,13 @@ class ExpertServices:
         self.meter.add(parts)
         return parts
 
+    def single_owner(self, layer: int) -> int | None:
+        """The service that computes every expert of `layer` now, where one does and none is
+        lagging (the common decode case: `plan` then sends the routing to it as is); else None."""
+        if self._lagging:
+            return None
+        return self._owners(layer, self._available()).single
+
     def describe_failures(self) -> str:
         return "; ".join(f"{c.address} ({c.last_error})" for c in self._clients if not c.healthy)
 

@@ -249,6 +249,41 @@ class ShmLink:
         self._free.append(ticket.slot)
         return ticket.reply
 
+    def direct_slot(self, num_tokens: int, top_k: int, hidden_size: int,
+                    dtype: torch.dtype) -> tuple[int, ShmRegion, doorbell.SlotLayout] | None:
+        """(slot index, its region, the hop's layout) that native code may use for one hop now,
+        written and answered without this object (expert_backends/direct_hop.py); None unless
+        nothing is in flight, the slot is known to the service and large enough, and spans go
+        nowhere (a traced hop carries its context)."""
+        if self._pending or not self._free or spans_exported():
+            return None
+        index = self._free[-1]
+        slot = self._slots[index]
+        layout = doorbell.slot_layout(num_tokens, top_k, hidden_size, dtype)
+        if slot.unannounced or layout.num_bytes > slot.mapped.region.num_bytes:
+            return None
+        return index, slot.mapped.region, layout
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq + 1
+
+    @property
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def answered_directly(self, seq: int, start_ns: int, sent_ns: int, submitted_ns: int, wait_ns: int,
+                          observed_ns: int, end_ns: int, compute_ns: int) -> Reply:
+        """Book a hop native code sent as request `seq` and read the answer of: the sequence moves
+        on, and its timing is measured as `_receive` measures a hop (its Reply has no output)."""
+        self._seq = seq
+        unread_ns = max(wait_ns - max(end_ns, submitted_ns), 0)
+        arrived_ns = max(observed_ns - unread_ns, start_ns)
+        queued_ns = max(self._previous_end_ns - sent_ns, 0)
+        overhead_ns = max(arrived_ns - start_ns - compute_ns - queued_ns, 0)
+        self._previous_end_ns = end_ns
+        return Reply(None, "", compute_ns * 1e-9, overhead_ns * 1e-9, (arrived_ns - start_ns) * 1e-9)
+
     def close(self) -> None:
         self._closed = True
         try:

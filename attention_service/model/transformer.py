@@ -131,9 +131,8 @@ class MoETransformer:
             # Layers whose experts are here too: one native call each (model/fused_layers.py).
             fused = self._fused if lora is None and per_token is None else ()
             for i, (layer, front) in enumerate(zip(w.layers, fronts)):
-                if fused and fused[i] is not None and x.shape[0] <= fused[i].max_tokens:
-                    fused[i](step, x)  # x += attention, + routed experts, in place
-                    continue
+                if fused and fused[i] is not None and x.shape[0] <= fused[i].max_tokens and fused[i](step, x):
+                    continue  # x += attention, + routed experts, in place
                 h32, logits = front(step, x, front_lora and front_lora(i))  # x += attention, in place
                 x += self.ffn(i, layer, h32, batch, top_k, logits)
         else:
