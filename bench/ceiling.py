@@ -100,6 +100,12 @@ class RecordingExperts:
         self._record(layer, hidden, expert_ids)
         return self.inner.submit_ahead(layer, hidden, expert_ids, expert_weights)
 
+    @property
+    def must_see_calls(self) -> bool:
+        """While recording, every layer call comes here: no decode layer fused with its experts
+        (model/fused_layers.py), whose calls would bypass this wrapper."""
+        return self.recording
+
     def _record(self, layer, hidden, expert_ids) -> None:
         if self.recording:
             ids = expert_ids[expert_ids >= 0]  # -1: a dropped slot

@@ -105,8 +105,8 @@ def instrument(runner, timers: Timers) -> None:
     timers.wrap(runner.model, "norm", "norm")  # the architecture's norm (RMSNorm or LayerNorm), bound at init
     timers.wrap(LinearGroup, "__call__", label_of=lambda group, *rest: names.get(id(group), "other linear"))
     timers.wrap(AttentionFront, "__call__", "attention front (native, fused)")
-    timers.wrap(LocalMoELayer, "__call__", "decode layer (native: front, route, experts)")
-    timers.wrap(RemoteMoELayer, "__call__", "decode layer (native: front, route, hop)")
+    timers.wrap(LocalMoELayer, "__call__", "layer (fused: front+experts)")
+    timers.wrap(RemoteMoELayer, "__call__", "layer (fused: front+hop)")
     timers.wrap(transformer.MoETransformer, "shared_ffn", "shared expert")
     timers.wrap(attention, "decode_attention", "attention (native)")
     timers.wrap(mla, "decode_attention", "attention (native)")

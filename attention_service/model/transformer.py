@@ -128,8 +128,10 @@ class MoETransformer:
         elif fronts:
             step = self.attention.decode_step(batch)
             x = x.contiguous()
-            # Layers whose experts are here too: one native call each (model/fused_layers.py).
-            fused = self._fused if lora is None and per_token is None else ()
+            # Layers whose experts are here too: one native call each (model/fused_layers.py), unless
+            # the backend must see every layer call (the benchmark's recorder, while it records).
+            fused = self._fused if lora is None and per_token is None and \
+                not getattr(self.experts, "must_see_calls", False) else ()
             for i, (layer, front) in enumerate(zip(w.layers, fronts)):
                 if fused and fused[i] is not None and x.shape[0] <= fused[i].max_tokens and fused[i](step, x):
                     continue  # x += attention, + routed experts, in place
