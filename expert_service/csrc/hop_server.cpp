@@ -16,44 +16,17 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "doorbell.h"
 #include "smk.h"
 
-struct SmkExpert;  // moe.cpp
-extern "C" int smk_moe_forward(const SmkExpert* experts, const int32_t* expert_index, int num_experts, int D, int F,
-                               const float* x, int T, int topk, const int32_t* ids, const float* weights, float* out);
-extern "C" void smk_park();
-
 using namespace smk;
+using namespace smk::doorbell;
 
 namespace {
 
-// proto/doorbell.py's headers and constants
-constexpr uint8_t KIND_FORWARD = 2;
-constexpr uint8_t STATUS_OK = 0;
-constexpr int NUM_SLOTS = 2;
-constexpr int REQUEST_BYTES = 32;   // <BBHiIIIQHH
-constexpr int REPLY_BYTES = 40;     // <BBxxxxxxQQQQ
-constexpr int MAX_MESSAGE = 4096;
-constexpr uint8_t WIRE_BFLOAT16 = 2;  // splitmoe.v1.DType
-constexpr size_t ALIGN = 64;          // proto/shm.py ALIGN_BYTES
+constexpr size_t ALIGN = 64;  // proto/shm.py ALIGN_BYTES
 
 size_t align_up(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
-
-uint64_t now_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
-}
-
-template <class T> T rd(const uint8_t* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
-template <class T> void wr(uint8_t* p, T v) { std::memcpy(p, &v, sizeof(T)); }
-
-float bf16_to_f32(uint16_t h) {
-    uint32_t bits = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
 
 }  // namespace
 

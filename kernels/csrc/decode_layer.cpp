@@ -144,7 +144,6 @@ void router_job(void* p, int) {
 // [T, D], out = the q|k|v products [T, nq + nk + nv] before biases, norms and rope; stage 1: in = the
 // attention output [T, H*Dv], out = its output-projection product [T, D] before the residual add.
 // Nonzero from the hook fails the call.
-typedef int (*SmkLoraHook)(int stage, const float* in, float* out);
 
 SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits,
                            SmkLoraHook lora) {

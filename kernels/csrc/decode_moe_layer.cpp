@@ -11,17 +11,6 @@
 
 #include "smk.h"
 
-struct SmkAttnLayer;
-struct SmkDecodeStep;
-struct SmkExpert;
-typedef int (*SmkLoraHook)(int stage, const float* in, float* out);
-
-extern "C" int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits,
-                              SmkLoraHook lora);
-extern "C" int smk_route(const SmkRouting* R, const float* logits, int T, int32_t* ids, float* weights);
-extern "C" int smk_moe_forward(const SmkExpert* experts, const int32_t* expert_index, int num_experts, int D, int F,
-                               const float* x, int T, int topk, const int32_t* ids, const float* weights, float* out);
-
 struct SmkLocalExperts {  // one layer's experts, all in this process (kernels/native.py MoELayer.pointers)
     const SmkExpert* experts;
     const int32_t* index;
@@ -32,14 +21,7 @@ struct SmkLocalExperts {  // one layer's experts, all in this process (kernels/n
 
 namespace {
 
-inline float round_bf16(float v) {  // to nearest even, as torch's float32 -> bfloat16
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return v;  // NaN stays NaN
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    std::memcpy(&v, &u, 4);
-    return v;
-}
+inline float round_bf16(float v) { return smk::bf16_to_f32(smk::f32_to_bf16(v)); }  // as torch's float32 -> bfloat16
 
 }  // namespace
 

@@ -24,6 +24,19 @@ struct SmkRouting {
     const float* selection_bias;  // [E] or null: added to choose, not to weigh
 };
 
+// The pieces of a decode layer that other sources call: the attention front (decode_layer.cpp), the
+// router (route.cpp), an MoE layer (moe.cpp), and the pool's parking (runtime.cpp).
+struct SmkAttnLayer;
+struct SmkDecodeStep;
+struct SmkExpert;
+typedef int (*SmkLoraHook)(int stage, const float* in, float* out);
+SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits,
+                           SmkLoraHook lora);
+SMK_API int smk_route(const SmkRouting* R, const float* logits, int T, int32_t* ids, float* weights);
+SMK_API int smk_moe_forward(const SmkExpert* experts, const int32_t* expert_index, int num_experts, int D, int F,
+                            const float* x, int T, int topk, const int32_t* ids, const float* weights, float* out);
+SMK_API void smk_park();
+
 namespace smk {
 
 // GGML type ids (ggml.h / gguf-py GGMLQuantizationType).
@@ -252,6 +265,12 @@ inline uint16_t f32_to_bf16(float f) {
     std::memcpy(&b, &f, 4);
     if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch rounds it
     return uint16_t((b + 0x7fffu + ((b >> 16) & 1)) >> 16);
+}
+inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
 }
 inline uint32_t ld_u32(const uint8_t* p) {
     uint32_t v;

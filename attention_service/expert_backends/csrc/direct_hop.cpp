@@ -16,15 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include "doorbell.h"
 #include "smk.h"
-
-struct SmkAttnLayer;
-struct SmkDecodeStep;
-typedef int (*SmkLoraHook)(int stage, const float* in, float* out);
-extern "C" int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits,
-                              SmkLoraHook lora);
-extern "C" int smk_route(const SmkRouting* R, const float* logits, int T, int32_t* ids, float* weights);
-extern "C" void smk_park();
 
 struct SmkHopTarget {  // direct_hop.py _HopTarget
     int32_t fd;              // the doorbell socket: blocking, its receive timeout set (SO_RCVTIMEO)
@@ -44,38 +37,8 @@ struct SmkHopResult {  // CLOCK_MONOTONIC ns, as ShmLink's ticket and the servic
     int32_t failed_errno;    // the hop failed: why (0: EOF or a malformed reply)
 };
 
-namespace {
-
-constexpr uint8_t KIND_FORWARD = 2;
-constexpr uint8_t STATUS_OK = 0;
-constexpr int REQUEST_BYTES = 32;  // <BBHiIIIQHH
-constexpr int REPLY_BYTES = 40;    // <BBxxxxxxQQQQ
-constexpr int MAX_MESSAGE = 4096;
-
-uint64_t now_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
-}
-
-template <class T> T rd(const uint8_t* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
-template <class T> void wr(uint8_t* p, T v) { std::memcpy(p, &v, sizeof(T)); }
-
-uint16_t to_bf16(float v) {  // to nearest even, as torch's float32 -> bfloat16
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // NaN stays NaN
-    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-float from_bf16(uint16_t h) {
-    const uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-}  // namespace
+using namespace smk;
+using namespace smk::doorbell;
 
 // x [T, D] float32, updated in place. h [T, D] out: the FFN's normed input rounded to bfloat16 (as
 // sent); ids [T, K] int32 and weights [T, K] out: the routing. Returns 0 (x += the experts' sum),
@@ -95,8 +58,8 @@ SMK_API int smk_decode_remote_layer(const SmkAttnLayer* L, const SmkDecodeStep* 
     res->start_ns = now_ns();
     uint16_t* hidden = reinterpret_cast<uint16_t*>(H->region + H->hidden_at);
     for (size_t i = 0; i < size_t(T) * D; ++i) {
-        hidden[i] = to_bf16(h[i]);
-        h[i] = from_bf16(hidden[i]);
+        hidden[i] = f32_to_bf16(h[i]);
+        h[i] = bf16_to_f32(hidden[i]);
     }
     std::memcpy(H->region + H->ids_at, ids, sizeof(int32_t) * size_t(T) * K);
     std::memcpy(H->region + H->weights_at, weights, sizeof(float) * size_t(T) * K);
@@ -140,6 +103,6 @@ SMK_API int smk_decode_remote_layer(const SmkAttnLayer* L, const SmkDecodeStep* 
         return 2;
     }
     const uint16_t* out = reinterpret_cast<const uint16_t*>(H->region + H->output_at);
-    for (size_t i = 0; i < size_t(T) * D; ++i) x[i] += from_bf16(out[i]);
+    for (size_t i = 0; i < size_t(T) * D; ++i) x[i] += bf16_to_f32(out[i]);
     return 0;
 }
