@@ -104,7 +104,7 @@ class LocalMoELayer:
 
     def __call__(self, step: DecodeStep, x: torch.Tensor) -> bool:
         """x float32 [T, D], updated in place (+ attention, + routed experts); True (the layer is done:
-        the fused layers' common answer). The routing's ids [T, K] int32 stay in `ids` until the next call."""
+        the fused layers' common answer)."""
         T = step.context.num_rows
         self.front.check(step, x)
         if self._ids.shape[0] != T:
@@ -115,7 +115,3 @@ class LocalMoELayer:
         if rc != 0:
             raise ValueError(f"fused MoE layer: native kernel refused the call (code {rc})")
         return True
-
-    @property
-    def ids(self) -> torch.Tensor:
-        return self._ids

@@ -81,7 +81,7 @@ class DirectHop:
                                             result.wait_ns, result.observed_ns, result.service_end_ns,
                                             result.compute_ns)
         routing_bytes = ids.numel() * 8  # int32 ids and float32 weights
-        self.client.count_direct(reply, self.hidden_bytes + routing_bytes, self.hidden_bytes, self.num_rows)
+        self.client.count(reply, self.hidden_bytes + routing_bytes, self.hidden_bytes, self.num_rows)
         self.services.meter.add([ServicePart(self.service, None, ids)])
 
     def _failed(self, result: _HopResult) -> None:

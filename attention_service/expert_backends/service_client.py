@@ -400,15 +400,13 @@ class ExpertServiceClient:
     def release_link(self) -> None:
         self._lock.release()
 
-    def count_direct(self, reply: Reply, sent_bytes: int, received_bytes: int, num_rows: int) -> None:
-        """A hop sent and answered natively, counted as `wait` counts one."""
+    def count(self, reply: Reply, sent_bytes: int, received_bytes: int, num_rows: int) -> None:
+        """An answered hop in the statistics and the hedging budget (native code's hops too: direct_hop.py)."""
         self.counters.add(reply.hop_s, reply.compute_s, reply.overhead_s, sent_bytes, received_bytes)
         self.budget.add(reply.hop_s, num_rows)
 
     def _count(self, hop: Hop, reply: Reply) -> None:
-        received_bytes = reply.output.nbytes if reply.output is not None else 0
-        self.counters.add(reply.hop_s, reply.compute_s, reply.overhead_s, hop.sent_bytes, received_bytes)
-        self.budget.add(reply.hop_s, hop.num_rows)
+        self.count(reply, hop.sent_bytes, reply.output.nbytes if reply.output is not None else 0, hop.num_rows)
 
     def _reply(self, hop: Hop, late_after_s: float | None = None) -> Reply:
         """The hop's answer within the deadline (counted from its sending), else HopFailed (HopLate

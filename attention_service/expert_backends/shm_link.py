@@ -275,14 +275,10 @@ class ShmLink:
     def answered_directly(self, seq: int, start_ns: int, sent_ns: int, submitted_ns: int, wait_ns: int,
                           observed_ns: int, end_ns: int, compute_ns: int) -> Reply:
         """Book a hop native code sent as request `seq` and read the answer of: the sequence moves
-        on, and its timing is measured as `_receive` measures a hop (its Reply has no output)."""
+        on, and the hop is timed as `_receive` times one (its Reply has no output)."""
         self._seq = seq
-        unread_ns = max(wait_ns - max(end_ns, submitted_ns), 0)
-        arrived_ns = max(observed_ns - unread_ns, start_ns)
-        queued_ns = max(self._previous_end_ns - sent_ns, 0)
-        overhead_ns = max(arrived_ns - start_ns - compute_ns - queued_ns, 0)
-        self._previous_end_ns = end_ns
-        return Reply(None, "", compute_ns * 1e-9, overhead_ns * 1e-9, (arrived_ns - start_ns) * 1e-9)
+        return self._timed(Reply(None, "", 0.0, 0.0), start_ns, sent_ns, submitted_ns, wait_ns, observed_ns, end_ns,
+                           compute_ns)
 
     def close(self) -> None:
         self._closed = True
@@ -337,21 +333,29 @@ class ShmLink:
         if not self._pending or seq != self._pending[0].seq or kind != doorbell.KIND_FORWARD:
             raise HopFailed(f"the service answered request {seq}, not the oldest one sent")
         ticket = self._pending.popleft()
-        # One measurement for the hop and its overhead, so that they agree under any load. The hop
-        # ends when its answer was read, less the time the answer waited for a client busy
-        # elsewhere (attention of the other micro-batch): a receive already waiting counts in
-        # full, the scheduler's delay in waking it included. The overhead is that hop less the
-        # expert compute and the time the request queued behind the previous hop (the other
-        # micro-batch's).
-        unread_ns = max(wait_ns - max(end_ns, ticket.submitted_ns), 0)
-        arrived_ns = max(observed_ns - unread_ns, ticket.start_ns)
-        queued_ns = max(self._previous_end_ns - ticket.sent_ns, 0)
-        overhead_ns = max(arrived_ns - ticket.start_ns - compute_ns - queued_ns, 0)
-        self._previous_end_ns = end_ns
         error = "" if status == doorbell.STATUS_OK else \
             bytes(self._received[doorbell.REPLY.size:length]).decode(errors="replace") or "unknown error"
-        ticket.reply = Reply(None if error else ticket.output, error, compute_ns * 1e-9, overhead_ns * 1e-9,
-                             (arrived_ns - ticket.start_ns) * 1e-9)
+        ticket.reply = self._timed(Reply(None if error else ticket.output, error, 0.0, 0.0), ticket.start_ns,
+                                   ticket.sent_ns, ticket.submitted_ns, wait_ns, observed_ns, end_ns, compute_ns)
+
+    def _timed(self, reply: Reply, start_ns: int, sent_ns: int, submitted_ns: int, wait_ns: int, observed_ns: int,
+               end_ns: int, compute_ns: int) -> Reply:
+        """`reply` with the hop's times, from the client's clock (submit began, header sent, submit
+        returned, receive began, answer read) and the service's (answered, computed for).
+
+        One measurement for the hop and its overhead, so that they agree under any load. The hop
+        ends when its answer was read, less the time the answer waited for a client busy
+        elsewhere (attention of the other micro-batch): a receive already waiting counts in
+        full, the scheduler's delay in waking it included. The overhead is that hop less the
+        expert compute and the time the request queued behind the previous hop (the other
+        micro-batch's)."""
+        unread_ns = max(wait_ns - max(end_ns, submitted_ns), 0)
+        arrived_ns = max(observed_ns - unread_ns, start_ns)
+        queued_ns = max(self._previous_end_ns - sent_ns, 0)
+        overhead_ns = max(arrived_ns - start_ns - compute_ns - queued_ns, 0)
+        self._previous_end_ns = end_ns
+        reply.compute_s, reply.overhead_s, reply.hop_s = compute_ns * 1e-9, overhead_ns * 1e-9, (arrived_ns - start_ns) * 1e-9
+        return reply
 
     def _watch(self) -> None:
         """Report the service's end at once, even while no hop is in flight (no data is read here)."""

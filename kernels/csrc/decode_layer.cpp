@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kv_quant.h"
 #include "smk.h"
@@ -230,4 +231,16 @@ SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float*
                 for (int e = 0; e < L->E; ++e) logits[size_t(t) * L->E + e] += L->router_bias[e];
     }
     return 0;
+}
+
+// The front with its router's choice instead of its logits: ids [T, K] int32 and weights [T, K]
+// (route.cpp), what a decode layer fused with its experts takes on to (decode_moe_layer.cpp, and
+// attention_service/expert_backends/csrc/direct_hop.cpp). Same returns as smk_attn_front.
+SMK_API int smk_attn_front_routed(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h,
+                                  const SmkRouting* R, int32_t* ids, float* weights) {
+    if (!L->router || L->E != R->E) return -2;
+    thread_local std::vector<float> logits;
+    logits.resize(size_t(S->T) * L->E);
+    const int rc = smk_attn_front(L, S, x, h, logits.data(), nullptr);
+    return rc ? rc : smk_route(R, logits.data(), S->T, ids, weights);
 }

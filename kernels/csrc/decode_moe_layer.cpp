@@ -29,16 +29,13 @@ inline float round_bf16(float v) { return smk::bf16_to_f32(smk::f32_to_bf16(v));
 // ids [T, K] int32 out (the routing, for the caller's statistics). Returns 0 or a negative error code.
 SMK_API int smk_decode_moe_layer(const SmkAttnLayer* L, const SmkDecodeStep* S, int T, const SmkRouting* R,
                                  const SmkLocalExperts* M, float* x, int32_t* ids) {
-    const int D = M->D, E = R->E, K = R->K;
-    if (T <= 0 || D <= 0 || E != M->num_experts) return -2;
-    thread_local std::vector<float> h, logits, weights, out;
+    const int D = M->D, K = R->K;
+    if (T <= 0 || D <= 0 || R->E != M->num_experts) return -2;
+    thread_local std::vector<float> h, weights, out;
     h.resize(size_t(T) * D);
-    logits.resize(size_t(T) * E);
     weights.resize(size_t(T) * K);
     out.assign(size_t(T) * D, 0.f);
-    int rc = smk_attn_front(L, S, x, h.data(), logits.data(), nullptr);
-    if (rc) return rc;
-    rc = smk_route(R, logits.data(), T, ids, weights.data());
+    int rc = smk_attn_front_routed(L, S, x, h.data(), R, ids, weights.data());
     if (rc) return rc;
     if (M->counts)
         for (int i = 0; i < T * K; ++i) ++M->counts[ids[i]];

@@ -36,7 +36,9 @@ void top_k(const float* scores, int n, int k, int32_t* ids) {
 SMK_API int smk_route(const SmkRouting* R, const float* logits, int T, int32_t* ids, float* weights) {
     const int E = R->E, K = R->K;
     if (K <= 0 || K > E || R->gating < 0 || R->gating > 2 || T < 0) return -2;
-    std::vector<float> p(static_cast<size_t>(E)), chosen(static_cast<size_t>(E));
+    thread_local std::vector<float> p, chosen;  // per layer of every decode step: no allocation each call
+    p.resize(size_t(E));
+    chosen.resize(size_t(E));
     for (int t = 0; t < T; ++t) {
         const float* l = logits + size_t(t) * E;
         int32_t* id = ids + size_t(t) * K;

@@ -24,8 +24,8 @@ struct SmkRouting {
     const float* selection_bias;  // [E] or null: added to choose, not to weigh
 };
 
-// The pieces of a decode layer that other sources call: the attention front (decode_layer.cpp), the
-// router (route.cpp), an MoE layer (moe.cpp), and the pool's parking (runtime.cpp).
+// The pieces of a decode layer that other sources call: the attention front, alone or with its
+// router's choice (decode_layer.cpp), the router (route.cpp), an MoE layer (moe.cpp), and the pool's parking (runtime.cpp).
 struct SmkAttnLayer;
 struct SmkDecodeStep;
 struct SmkExpert;
@@ -33,6 +33,8 @@ typedef int (*SmkLoraHook)(int stage, const float* in, float* out);
 SMK_API int smk_attn_front(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h, float* logits,
                            SmkLoraHook lora);
 SMK_API int smk_route(const SmkRouting* R, const float* logits, int T, int32_t* ids, float* weights);
+SMK_API int smk_attn_front_routed(const SmkAttnLayer* L, const SmkDecodeStep* S, float* x, float* h,
+                                  const SmkRouting* R, int32_t* ids, float* weights);
 SMK_API int smk_moe_forward(const SmkExpert* experts, const int32_t* expert_index, int num_experts, int D, int F,
                             const float* x, int T, int topk, const int32_t* ids, const float* weights, float* out);
 SMK_API void smk_park();

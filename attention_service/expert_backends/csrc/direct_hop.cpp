@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <vector>
 
 #include "doorbell.h"
 #include "smk.h"
@@ -49,11 +48,7 @@ SMK_API int smk_decode_remote_layer(const SmkAttnLayer* L, const SmkDecodeStep* 
                                     float* weights, SmkHopResult* res, char* error, int error_cap) {
     const int K = R->K;
     if (T <= 0 || D <= 0 || H->output_at + int64_t(T) * D * 2 > H->region_bytes) return -2;
-    thread_local std::vector<float> logits;
-    logits.resize(size_t(T) * R->E);
-    int rc = smk_attn_front(L, S, x, h, logits.data(), nullptr);
-    if (rc) return rc;
-    rc = smk_route(R, logits.data(), T, ids, weights);
+    const int rc = smk_attn_front_routed(L, S, x, h, R, ids, weights);
     if (rc) return rc;
     res->start_ns = now_ns();
     uint16_t* hidden = reinterpret_cast<uint16_t*>(H->region + H->hidden_at);
