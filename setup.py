@@ -27,6 +27,7 @@ SOURCES = [
     "kernels/csrc/dot_avx2.cpp",
     "kernels/csrc/dot_avx512.cpp",
     "kernels/csrc/dot_avx512vnni.cpp",
+    "kernels/csrc/dot_avx512vbmi.cpp",
     "kernels/csrc/moe.cpp",
     "kernels/csrc/dequant.cpp",
     "kernels/csrc/attention.cpp",

@@ -96,6 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_best_isa", ctypes.c_char_p, []),
         ("smk_set_isa", I, [ctypes.c_char_p]),
         ("smk_set_type_choice", I, [I, ctypes.c_char_p, I]),
+        ("smk_set_vbmi", I, [I]),
         ("smk_isa_kernel", P, [ctypes.c_char_p, I, I]),
         ("smk_set_num_threads", None, [I]),
         ("smk_get_num_threads", I, []),
@@ -147,6 +148,13 @@ def _set_isa(name: str) -> None:
     tuning.disable()
     if _lib.smk_set_isa(name.encode()) != 0:
         raise ValueError(f"ISA {name!r} is unknown or not supported by this CPU (best: {_best_isa()})")
+
+
+def _set_vbmi(on: bool) -> bool:
+    """The VBMI grid decoder (IQ3_XXS, csrc/dot_avx512vbmi.cpp) in the VNNI kernels, or the per-row
+    lookups (tests and benchmarks compare them); False where this CPU has no VBMI kernel."""
+    _need()
+    return _lib.smk_set_vbmi(int(on)) == 0
 
 
 def _best_isa() -> str:

@@ -1219,6 +1219,17 @@ struct Iq1sUnsigned {
     }
 };
 inline constexpr Iq1sUnsigned kIq1sU{};
+// IQ3_XXS's grid as four byte permutation tables, byte j of every entry in table j (dot_avx512.inc's
+// VBMI decoder: 64 grid rows looked up with vpermi2b instead of one load each).
+struct Iq3xxsBytes {
+    alignas(64) uint8_t t[4][256];
+    constexpr Iq3xxsBytes() : t() {
+        for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 256; ++i) t[j][i] = uint8_t(kIq3xxsGrid[i] >> (8 * j));
+    }
+};
+inline constexpr Iq3xxsBytes kIq3xxsBytes{};
+
 // IQ1_S: grid index low bytes at 2 + 4 s + c; per block a u16 at 34 + 2 s: the indices' 3 top bits
 // (bits 3c..3c+2), the scale in bits 12-14, delta's sign in bit 15 (set: -1/8).
 struct IQ1S {

@@ -46,6 +46,10 @@ int detect_isa() {
 
 Kernels g_tables[4];
 int g_best = -1;
+// The format whose VNNI kernel has a VBMI variant (dot_avx512vbmi.cpp), and both variants: the VBMI
+// one is in the table where the CPU has VBMI (smk_set_vbmi switches, for tests and benchmarks).
+constexpr int kVbmiType = T_IQ3_XXS;
+DotRowsFn g_iq_plain = nullptr, g_iq_vbmi = nullptr;
 std::atomic<int> g_isa{-1};
 std::once_flag g_init_once;
 // Per-type choices made by the calibration at load (kernels/tuning.py): a type's kernels from a
@@ -71,6 +75,12 @@ void init_tables() {
     init_attention_avx512(g_tables[ISA_AVX512]);
     g_tables[ISA_VNNI] = g_tables[ISA_AVX512];
     init_avx512vnni(g_tables[ISA_VNNI]);
+    g_iq_plain = g_tables[ISA_VNNI].dot[kVbmiType];
+    if (g_best == ISA_VNNI && __builtin_cpu_supports("avx512vbmi")) {
+        Kernels k = g_tables[ISA_VNNI];
+        init_avx512vbmi(k);
+        g_iq_vbmi = g_tables[ISA_VNNI].dot[kVbmiType] = k.dot[kVbmiType];
+    }
 #endif
     int isa = g_best;
     // SPLITMOE_KERNELS_ISA lowers the ISA (debugging, benchmarks); it never raises it.
@@ -390,6 +400,16 @@ SMK_API int smk_set_isa(const char* name) {
             return 0;
         }
     return -1;
+}
+
+// The VBMI grid decoder in the VNNI table (on: where the CPU has it; off: the per-row lookups).
+// Returns 0, or -1 where this CPU has no VBMI kernel.
+SMK_API int smk_set_vbmi(int on) {
+    kernels();
+    if (!g_iq_vbmi) return -1;
+    g_tables[ISA_VNNI].dot[kVbmiType] = on ? g_iq_vbmi : g_iq_plain;
+    rebuild_mixed();
+    return 0;
 }
 
 // The calibration's choice for one type: the ISA whose kernels it runs (null or "": the table's

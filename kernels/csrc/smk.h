@@ -202,6 +202,7 @@ void init_packed_scalar(Kernels& k);  // repack.cpp
 void init_avx2(Kernels& k);      // fills only what it implements on top of scalar
 void init_avx512(Kernels& k);
 void init_avx512vnni(Kernels& k);
+void init_avx512vbmi(Kernels& k);  // only the IQ3_XXS entry, over the VNNI table
 void init_attention_scalar(Kernels& k);  // attention.cpp and its ISA variants (attention_*.cpp)
 void init_attention_avx2(Kernels& k);
 void init_attention_avx512(Kernels& k);

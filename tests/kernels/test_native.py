@@ -138,6 +138,26 @@ def test_matmul_every_token_tile(qtype, isa):
         check_matmul(native.matmul(x, w), x, w, (qtype.name, isa, m))
 
 
+def test_vbmi_grid_decoder_bit_identical():
+    """IQ3_XXS's grid rows by byte permutations (VBMI) give the per-row lookups' results bit for bit,
+    every token tile and a row longer than one super-block."""
+    if native._best_isa() != "avx512vnni" or not native._set_vbmi(True):
+        pytest.skip("this CPU has no AVX-512 VBMI kernels (Zen 4 and later, Ice Lake and later have them)")
+    native._set_isa("avx512vnni")
+    try:
+        w = qt(T.IQ3_XXS, (37, 3 * 256), seed=5)
+        gen = torch.Generator().manual_seed(5)
+        for m in (1, 2, 7, 16, 17, 40):
+            x = torch.randn(m, 3 * 256, generator=gen)
+            native._set_vbmi(False)
+            plain = native.matmul(x, w)
+            native._set_vbmi(True)
+            assert torch.equal(native.matmul(x, w), plain), m
+    finally:
+        native._set_vbmi(True)
+        native._set_isa(native._best_isa())
+
+
 def test_isas_agree_closely():
     """The SIMD paths compute the same integer sums as the scalar one: only float summation
     order differs."""
