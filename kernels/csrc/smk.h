@@ -178,6 +178,10 @@ typedef void (*GluFn)(float* g, const float* u, const float* gb, const float* ub
 constexpr int kPackRows = 16;
 constexpr int kQ4KX16Bytes = 64 + 128 + 128 + 2048;  // one group's super-block
 constexpr int kQ6KX16Bytes = 32 + 256 + 2048 + 1024 + 32;
+// Packed Q6_K's 32-value sub-block s as 384 contiguous bytes at 288 + 384 s: its four low-nibble
+// registers (4 s .. 4 s + 3), then its two top-bit registers (pairs 2 s, 2 s + 1), read in that order.
+constexpr int q6k_x16_lo(int i) { return 288 + 384 * (i / 4) + 64 * (i % 4); }   // register i, 0..31
+constexpr int q6k_x16_hi(int p) { return 288 + 384 * (p / 2) + 256 + 64 * (p % 2); }  // pair p, 0..15
 constexpr int kQ80X16Bytes = 32 + 512;     // one group's 32-value block
 constexpr int kMxfp4X16Bytes = 16 + 256;  // one group's 32-value block
 int packed_unit(int type);  // values a packed block covers: 256 (k-quants), 32 (Q8_0, MXFP4)
