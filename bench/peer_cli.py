@@ -13,7 +13,11 @@ with the flags that gave it recorded.
 Unlike bench.driver, these tools make up their own prompts: llama-bench and llama.cpp's
 batched-bench draw random token ids; ik_llama.cpp's batched-bench decodes token 0 in every
 sequence, so its streams route to the same experts (see FORKS). llama-bench's token generation
-starts from an empty context, where our single stream decodes after its `prompt_tokens` prompt.
+starts from an empty context unless asked otherwise: the decode figure is its test after a
+`prompt_tokens` prompt, as our single stream decodes (ik_llama.cpp's `-gp P,N`, llama.cpp's `-d`),
+each step attending to as many cached tokens as ours. Its decode from an empty context is kept
+beside it (the variants' `decode_at_empty_context_tok_s`): on the 6-layer Qwen3 file ik_llama.cpp
+decodes 8-13% faster there.
 """
 from __future__ import annotations
 
@@ -56,6 +60,9 @@ class Fork:
     # Its batched-bench streams all decode one token, so they route alike: their figure stands
     # beside our streams of one prompt (Prompts.alike), not beside our streams of their own prompts.
     streams_alike: bool = False
+    # How its llama-bench decodes after a prompt: "gp" (-gp P,N: a tgN@ppP test) or "depth" (-d 0,P:
+    # every test at depth 0 and at P).
+    after_prompt: str = "depth"
 
 
 FORKS = {
@@ -67,7 +74,7 @@ FORKS = {
         Variant("-rtr 0", ("-rtr", "0")),
         Variant("-rtr 1", ("-rtr", "1"), ("-rtr",))),
         note="its llama-batched-bench decodes token 0 in every stream (the streams route alike: their figure "
-             "is set beside ours for streams of one prompt)", streams_alike=True),
+             "is set beside ours for streams of one prompt)", streams_alike=True, after_prompt="gp"),
 }
 
 
@@ -105,11 +112,13 @@ def _executable(path: Path) -> bool:
 # ---- the command lines --------------------------------------------------------------------------
 
 def bench_command(bin_dir: Path, model_path: str, threads: int, w: Workload, variant: Variant,
-                  repetitions: int = REPETITIONS) -> list[str]:
-    """llama-bench: one prompt-processing test and one token-generation test, as JSON on stdout."""
+                  repetitions: int = REPETITIONS, after_prompt: str = "depth") -> list[str]:
+    """llama-bench: prompt processing, and token generation from an empty context and after a
+    `prompt_tokens` prompt (`after_prompt`: Fork's), as JSON on stdout."""
+    P, N = w.prompt_tokens, w.decode_tokens
+    depth = ("-gp", f"{P},{N}") if after_prompt == "gp" else ("-d", f"0,{P}")
     return [str(bin_dir / BENCH_TOOL), "-m", model_path, "-t", str(threads), "-ngl", "0",
-            "-p", str(w.prompt_tokens), "-n", str(w.decode_tokens), "-r", str(repetitions), "-o", "json",
-            *variant.bench_args]
+            "-p", str(P), "-n", str(N), *depth, "-r", str(repetitions), "-o", "json", *variant.bench_args]
 
 
 def stream_counts(w: Workload) -> list[int]:
@@ -134,12 +143,14 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class BenchRow:
-    """One llama-bench test: a prompt-processing (n_gen 0) or a token-generation (n_prompt 0) one."""
+    """One llama-bench test: a prompt-processing (n_gen 0) or a token-generation (n_prompt 0) one,
+    `n_depth` tokens already in the context (ik_llama.cpp's tgN@ppP: n_gen N at depth P)."""
     n_prompt: int
     n_gen: int
     avg_tok_s: float
     best_tok_s: float   # the fastest repetition (the markdown table has only the mean: the mean)
     settings: dict = field(default_factory=dict)  # the fork's switches as it reported them (JSON only)
+    n_depth: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +160,7 @@ class BenchOutput:
 
 
 SETTINGS_FIELDS = ("flash_attn", "fused_moe", "repack", "use_mmap", "n_threads", "n_batch", "n_ubatch")
-_TEST = re.compile(r"^(?:pp(\d+)|tg(\d+))$")
+_TEST = re.compile(r"^(?:pp(\d+)|tg(\d+))(?:\s*@\s*(?:pp|d)(\d+))?$")  # tg128, tg128@pp512, pp512 @ d512
 _RATE = re.compile(r"^([\d.]+)\s*±\s*([\d.]+)$")
 _BUILD = re.compile(r"^build:\s*(.+?)\s*\((\d+)\)\s*$", re.MULTILINE)
 
@@ -163,9 +174,13 @@ def parse_llama_bench(text: str) -> BenchOutput:
 
 def _parse_bench_json(text: str) -> BenchOutput:
     tests = json.loads(text)
-    rows = [BenchRow(int(t["n_prompt"]), int(t["n_gen"]), float(t["avg_ts"]),
-                     max(map(float, t.get("samples_ts") or [t["avg_ts"]])),
-                     {k: t[k] for k in SETTINGS_FIELDS if k in t}) for t in tests]
+    rows = []
+    for t in tests:
+        n_prompt, n_gen, depth = int(t["n_prompt"]), int(t["n_gen"]), int(t.get("n_depth", 0))
+        if n_prompt and n_gen:  # ik_llama.cpp's -gp: generation after a prompt, timed alone
+            n_prompt, depth = 0, depth + n_prompt
+        rows.append(BenchRow(n_prompt, n_gen, float(t["avg_ts"]), max(map(float, t.get("samples_ts") or [t["avg_ts"]])),
+                             {k: t[k] for k in SETTINGS_FIELDS if k in t}, depth))
     version = f"{tests[0].get('build_commit', 'unknown')} ({tests[0].get('build_number', '?')})" if tests else "unknown"
     return BenchOutput(rows, version)
 
@@ -183,8 +198,8 @@ def _parse_bench_markdown(text: str) -> BenchOutput:
             continue
         test, rate = _TEST.match(cells[columns[0]]), _RATE.match(cells[columns[1]])
         if test and rate:
-            n_prompt, n_gen = int(test.group(1) or 0), int(test.group(2) or 0)
-            rows.append(BenchRow(n_prompt, n_gen, float(rate.group(1)), float(rate.group(1))))
+            n_prompt, n_gen, depth = (int(g or 0) for g in test.groups())
+            rows.append(BenchRow(n_prompt, n_gen, float(rate.group(1)), float(rate.group(1)), n_depth=depth))
     build = _BUILD.search(text)
     return BenchOutput(rows, f"{build.group(1)} ({build.group(2)})" if build else "unknown")
 
@@ -235,23 +250,27 @@ def run_tool(command: list[str], log_path: Path, timeout_s: float, stdout_path: 
 @dataclass(frozen=True, slots=True)
 class VariantFigures:
     prefill_tok_s: float
-    decode_tok_s: float
+    decode_tok_s: float               # after a prompt_tokens prompt, as our single stream
     streams_tok_s: dict[int, float]   # every stream count batched-bench ran
     version: str
     settings: dict
+    decode_at_empty_context_tok_s: float = math.nan  # llama-bench's plain tgN
 
 
 def run_variant(fork: Fork, variant: Variant, bin_dir: Path, model_path: str, threads: int, w: Workload,
                 run_dir: Path, timeout_s: float) -> tuple[VariantFigures, list[str]]:
     tag = f"{fork.key}{_file_tag(variant.flags)}"
-    bench = bench_command(bin_dir, model_path, threads, w, variant)
+    bench = bench_command(bin_dir, model_path, threads, w, variant, after_prompt=fork.after_prompt)
     out = parse_llama_bench(run_tool(bench, run_dir / f"{tag}-bench.log", timeout_s, run_dir / f"{tag}-bench.json"))
-    pp = _row(out.rows, lambda r: r.n_prompt == w.prompt_tokens and r.n_gen == 0, "prompt processing", bench)
-    tg = _row(out.rows, lambda r: r.n_gen == w.decode_tokens and r.n_prompt == 0, "token generation", bench)
+    pp = _row(out.rows, lambda r: (r.n_prompt, r.n_gen, r.n_depth) == (w.prompt_tokens, 0, 0), "prompt processing", bench)
+    tg = _row(out.rows, lambda r: (r.n_prompt, r.n_gen, r.n_depth) == (0, w.decode_tokens, w.prompt_tokens),
+              f"token generation after a {w.prompt_tokens}-token prompt", bench)
+    empty = [r for r in out.rows if (r.n_prompt, r.n_gen, r.n_depth) == (0, w.decode_tokens, 0)]
     batched = batched_command(bin_dir, model_path, threads, w, variant)
     rates = run_batched(batched, stream_counts(w), run_dir / f"{tag}-batched.log", timeout_s)
     figures = VariantFigures(prefill_tok_s=pp.best_tok_s, decode_tok_s=tg.avg_tok_s, streams_tok_s=rates,
-                             version=out.version, settings=pp.settings)
+                             version=out.version, settings=pp.settings,
+                             decode_at_empty_context_tok_s=empty[0].avg_tok_s if empty else math.nan)
     return figures, [shlex.join(bench), shlex.join(batched)]
 
 
@@ -318,4 +337,5 @@ def run_peer(fork_name: str, bin_dir: Path, model_path: str, threads: int, w: Wo
 
 def _variant_json(v: VariantFigures) -> dict:
     return {"prefill_tok_s": v.prefill_tok_s, "decode_tok_s": v.decode_tok_s,
+            "decode_at_empty_context_tok_s": v.decode_at_empty_context_tok_s,
             "streams_tok_s": dict(sorted(v.streams_tok_s.items())), "settings": v.settings}

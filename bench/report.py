@@ -140,8 +140,10 @@ def peer_line(f: dict, peer: str, name: str) -> str:
                     if flags.get(k, "defaults") != "defaults")
     chosen = f"; per figure the better flags: {won}" if won else ""
     note = f"; {f[peer + '_note']}" if f.get(f"{peer}_note") else ""
+    prompt = (f.get("workload") or {}).get("prompt_tokens")
+    after = f"; decode after a {prompt}-token prompt, as ours" if prompt else ""
     return (f"{name}: llama-bench and llama-batched-bench in {f[peer + '_bin_dir']}, build {f[peer + '_version']}, "
-            f"same file and thread count; first token = prompt / prefill rate{chosen}{note}")
+            f"same file and thread count; first token = prompt / prefill rate{after}{chosen}{note}")
 
 
 def attention_device(figures: dict) -> str:

@@ -55,6 +55,18 @@ def test_ik_llama_bench_json_records_its_switches():
         assert out.version.endswith(")")
 
 
+@pytest.mark.parametrize("sample, rows", [
+    ("llamacpp-bench-depth.json", [(32, 0, 0), (0, 6, 0), (32, 0, 32), (0, 6, 32)]),   # -d 0,32: each test twice
+    ("llamacpp-bench-depth.md", [(32, 0, 0), (0, 6, 0), (32, 0, 32), (0, 6, 32)]),     # "tg6 @ d32"
+    ("ik-bench-gp.json", [(32, 0, 0), (0, 6, 0), (0, 6, 32)]),                        # -gp 32,6: n_prompt 32, n_gen 6
+    ("ik-bench-gp.md", [(32, 0, 0), (0, 6, 0), (0, 6, 32)]),                          # "tg6@pp32"
+])
+def test_llama_bench_decode_after_a_prompt_is_a_generation_test_at_that_depth(sample, rows):
+    out = parse_llama_bench((DATA / sample).read_text())
+    assert [(r.n_prompt, r.n_gen, r.n_depth) for r in out.rows] == rows
+    assert all(r.avg_tok_s > 0 for r in out.rows)
+
+
 @pytest.mark.parametrize("sample", ["llamacpp-bench.md", "ik-bench.md"])
 def test_llama_bench_markdown_gives_the_means_and_the_build(sample):
     text = (DATA / sample).read_text()
@@ -91,17 +103,20 @@ def test_a_stream_count_run_twice_keeps_its_first_row():
 def test_commands_ask_for_the_workload_on_the_cpu_with_the_same_threads(tmp_path):
     ik = FORKS["ik_llama.cpp"]
     rtr0, rtr1 = ik.variants
-    bench = bench_command(tmp_path, "m.gguf", 4, SMALL, rtr1)
+    bench = bench_command(tmp_path, "m.gguf", 4, SMALL, rtr1, after_prompt=ik.after_prompt)
+    # decode also after a 32-token prompt, as our single stream decodes (-gp 32,6)
     assert bench == [str(tmp_path / BENCH_TOOL), "-m", "m.gguf", "-t", "4", "-ngl", "0", "-p", "32", "-n", "6",
-                     "-r", "2", "-o", "json", "-rtr", "1"]
+                     "-gp", "32,6", "-r", "2", "-o", "json", "-rtr", "1"]
     assert bench_command(tmp_path, "m.gguf", 4, SMALL, rtr0)[-2:] == ["-rtr", "0"]
     batched = batched_command(tmp_path, "m.gguf", 4, Workload(streams=16, sweep=(8, 2, 4)), rtr1)
     # 16 x (16 + 128) KV cells; every count, then one stream (the row the logger may lose)
     assert batched == [str(tmp_path / BATCHED_TOOL), "-m", "m.gguf", "-t", "4", "-ngl", "0", "-c", "2304",
                        "-npp", "16", "-ntg", "128", "-npl", "2,4,8,16,1", "-rtr"]
     assert batched_command(tmp_path, "m.gguf", 4, SMALL, rtr0)[-2:] == ["-npl", "2,3,1"]
-    llama = FORKS["llama.cpp"].variants
-    assert len(llama) == 1 and bench_command(tmp_path, "m.gguf", 4, SMALL, llama[0])[-2:] == ["-o", "json"]
+    llama = FORKS["llama.cpp"]
+    assert len(llama.variants) == 1
+    assert bench_command(tmp_path, "m.gguf", 4, SMALL, llama.variants[0], after_prompt=llama.after_prompt)[-6:] == \
+        ["-d", "0,32", "-r", "2", "-o", "json"]  # every test at depth 0 and 32
 
 
 def test_better_of_takes_each_figure_from_the_variant_that_did_best():
@@ -182,6 +197,7 @@ def test_the_real_tools_measure_the_workload(fork, demo_gguf, tmp_path):
     assert {result.flags[k] for k in ("prefill_tok_s", "decode_tok_s", "decode16_tok_s")} <= set(variants)
     for v in result.variants.values():
         assert v["prefill_tok_s"] <= result.prefill_tok_s and v["decode_tok_s"] <= result.decode_tok_s
+        assert v["decode_at_empty_context_tok_s"] > 0  # the plain tg test, kept beside the one after the prompt
         assert sorted(v["streams_tok_s"]) == [1, 2, 3]
     key = FORKS[fork].key
     assert (tmp_path / f"{key}{'-rtr1' if fork == 'ik_llama.cpp' else ''}-batched.log").is_file()

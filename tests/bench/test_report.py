@@ -91,7 +91,8 @@ def test_llama_cpp_through_its_tools_names_the_build_not_the_package():
                                   "decode16_tok_s": "defaults", "sweep_tok_s": {}}, "llamacpp_note": ""}
     line = next(line for line in context_lines(figures) if line.startswith("llama.cpp: "))
     assert line == ("llama.cpp: llama-bench and llama-batched-bench in /peers/llama.cpp/bin, build unknown (0), "
-                    "same file and thread count; first token = prompt / prefill rate")
+                    "same file and thread count; first token = prompt / prefill rate; decode after a 512-token "
+                    "prompt, as ours")
     assert table(figures) == LLAMA_ONLY_TABLE
 
 
