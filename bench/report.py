@@ -106,6 +106,8 @@ def context_lines(figures: dict) -> list[str]:
         f"({f['touched_expert_bytes_source']}); "
         f"other weights {_mb(f['dense_bytes_per_token'])} MB per step (not in the ceilings)",
     ]
+    if line := bandwidth_line(f):
+        lines.append(line)
     if _positive(f.get("ceiling_all_weights_decode_tok_s")):
         lines.append(all_weights_line(f))
     if f.get("llamacpp_bin_dir"):
@@ -119,6 +121,25 @@ def context_lines(figures: dict) -> list[str]:
     else:
         lines.append("vs llama.cpp: times better (rates: ours / llama.cpp; time to first token: llama.cpp / ours)")
     return lines
+
+
+# Bandwidth measured before the engines more than this far apart: the run's ratios mix machine states.
+BANDWIDTH_SPREAD = 0.10
+_ENGINE_NAMES = {"services": "services", "inprocess": "in-process", "llamacpp": "llama.cpp", "ik_llamacpp": "ik_llama.cpp"}
+
+
+def bandwidth_line(f: dict) -> str:
+    """The read bandwidth measured before each engine ran, and a warning where it moved."""
+    before = {k: v for k, v in (f.get("bandwidth_before_gb_s") or {}).items() if _positive(v)}
+    if len(before) < 2:
+        return ""
+    each = ", ".join(f"{_ENGINE_NAMES.get(k, k)} {v:.1f}" for k, v in before.items())
+    line = f"read bandwidth before each engine, GB/s: {each}"
+    low, high = min(before.values()), max(before.values())
+    if high > (1 + BANDWIDTH_SPREAD) * low:
+        line += (f" (it moved {100 * (high / low - 1):.0f}% during the run: the ratios mix the machine's states; "
+                 "compare within a state)")
+    return line
 
 
 def all_weights_line(f: dict) -> str:

@@ -88,6 +88,9 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
     say(f"  memory read bandwidth ({s.threads} threads, {s.bandwidth_mb} MB buffer)")
     bandwidth = read_bandwidth_gb_s(s.threads, s.bandwidth_mb)
+    # Measured again before each engine: where the machine's bandwidth moves during a run (a shared
+    # host's does, by up to 40% within minutes), the ratios mix its states, and the report says so.
+    bandwidth_before = {"services": bandwidth}
     wall = {"bandwidth": time.perf_counter() - started}  # seconds per phase, each from the end of the one before
 
     def lap(name: str) -> None:
@@ -124,6 +127,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         from splitmoe.bench.inprocess import run_inprocess
 
         say("  in-process: the same engine, experts in this process")
+        bandwidth_before["inprocess"] = read_bandwidth_gb_s(s.threads, s.bandwidth_mb)
         inproc = run_inprocess(g, w, prompts, s.threads, s.dtype, expert_bytes, say)
         lap("inprocess")
         im = inproc.measured
@@ -140,6 +144,7 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
 
     for name in s.baselines:
         key, bin_dir = FORKS[name].key, peer_dirs.get(name)  # key: its figures' prefix in the JSON
+        bandwidth_before[key] = read_bandwidth_gb_s(s.threads, s.bandwidth_mb)
         base = run_peer(name, bin_dir, s, prompts, run_dir, say)
         lap(key)
         say(_summary(base, w))
@@ -165,7 +170,8 @@ def run_bench(settings: BenchSettings, say: Callable[[str], None] = print) -> di
         "attention_device": s.attention_device, "gpu": gpu,
         "transport": services.transport, "omp_wait_policy": s.omp_wait_policy or "default",
         "pin_threads": s.pin_threads,
-        "bandwidth_gb_s": bandwidth, "expert_bytes_per_token": expert_bytes.per_token,
+        "bandwidth_gb_s": bandwidth, "bandwidth_before_gb_s": bandwidth_before,
+        "expert_bytes_per_token": expert_bytes.per_token,
         "touched_expert_bytes_per_step16": touched, "touched_expert_bytes_source": touched_source,
         "dense_bytes_per_token": dense, "native_isa": native_isa(), "cpu": cpu_model(),
         "decode_curve_tok_s": curves,

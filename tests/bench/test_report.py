@@ -102,3 +102,15 @@ def test_the_all_weights_ceiling_line_names_every_engine_that_ran():
     line = all_weights_line({"ceiling_all_weights_decode_tok_s": 200.0, "decode_tok_s": 120.0,
                              "inprocess_decode_tok_s": 150.0, "ik_llamacpp_decode_tok_s": 170.0})
     assert line.endswith("ceiling 200 tok/s; reached: services 60%, in-process 75%, ik_llama.cpp 85%")
+
+
+def test_the_bandwidth_before_each_engine_is_reported_and_a_moving_machine_named():
+    from splitmoe.bench.report import bandwidth_line
+    steady = {"bandwidth_before_gb_s": {"services": 44.1, "inprocess": 46.0, "ik_llamacpp": 45.2}}
+    assert bandwidth_line(steady) == "read bandwidth before each engine, GB/s: services 44.1, in-process 46.0, " \
+                                     "ik_llama.cpp 45.2"
+    moved = {"bandwidth_before_gb_s": {"services": 44.0, "inprocess": 45.0, "ik_llamacpp": 70.4}}
+    assert bandwidth_line(moved).endswith("(it moved 60% during the run: the ratios mix the machine's states; "
+                                          "compare within a state)")
+    assert bandwidth_line({"bandwidth_before_gb_s": {"services": 44.0}}) == "" and bandwidth_line({}) == ""
+    assert "read bandwidth before each engine" in "\n".join(context_lines({**OURS, **CONTEXT, **moved}))
