@@ -36,6 +36,7 @@ from splitmoe.attention_service.settings import AttentionSettings
 from splitmoe.modelfile.expert_tensors import ExpertKey
 from splitmoe.proto import attention_pb2 as pb
 from splitmoe.proto import attention_pb2_grpc
+from splitmoe.runtime.heap import freeze_startup_heap
 from splitmoe.runtime.telemetry import extract_grpc_context, tracer
 
 log = logging.getLogger(__name__)
@@ -471,9 +472,10 @@ def _token_out(model: ServingModel, token_id: int, logprob: float, top) -> pb.To
 
 
 async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
-                external_stop: threading.Event | None = None) -> None:
+                external_stop: threading.Event | None = None, freeze_heap: bool = False) -> None:
     """Run until SIGTERM/SIGINT (or `external_stop`, for servers run in a thread); in-flight requests
-    are drained for up to the grace period."""
+    are drained for up to the grace period. `freeze_heap`: the loaded model's Python objects out of
+    the garbage collector's walks (runtime/heap.py), for a process that serves nothing else."""
     security = settings.security
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
                                       ("grpc.max_receive_message_length", 256 << 20)],
@@ -493,7 +495,7 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
     if external_stop is not None:
         loop = asyncio.get_running_loop()
         loop.run_in_executor(None, lambda: (external_stop.wait(), loop.call_soon_threadsafe(stop.set)))
-    loader = asyncio.create_task(_load(servicer, health, settings, stop))
+    loader = asyncio.create_task(_load(servicer, health, settings, stop, freeze_heap))
     if ready is not None:
         loader.add_done_callback(lambda _: ready.set())
     await stop.wait()
@@ -506,7 +508,8 @@ async def serve(settings: AttentionSettings, ready: asyncio.Event | None = None,
         raise servicer.load_failure  # the command's one line and exit code, as any command's
 
 
-async def _load(servicer: AttentionServicer, health, settings: AttentionSettings, stop: asyncio.Event) -> None:
+async def _load(servicer: AttentionServicer, health, settings: AttentionSettings, stop: asyncio.Event,
+                freeze_heap: bool = False) -> None:
     started = time.monotonic()
     try:
         model = await asyncio.to_thread(load_serving_model, settings)
@@ -515,6 +518,8 @@ async def _load(servicer: AttentionServicer, health, settings: AttentionSettings
         log.debug("model failed to load", exc_info=True)
         stop.set()
         return
+    if freeze_heap:
+        freeze_startup_heap()
     model.engine.start()
     servicer.model = model
     await _set_health(health, health_pb2.HealthCheckResponse.SERVING)

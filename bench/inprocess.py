@@ -32,6 +32,7 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
     from splitmoe.attention_service.model.runner import DTYPES, RunnerOptions
     from splitmoe.attention_service.service import load_serving_model
     from splitmoe.attention_service.settings import AttentionSettings
+    from splitmoe.runtime.heap import freeze_startup_heap, thaw_heap
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -42,11 +43,13 @@ def run_inprocess(g, workload: Workload, prompts: Prompts, threads: int, dtype: 
                                  max_running_seqs=max(64, w.streams))
     recorder = RecordingExperts(InProcessExperts(g))
     model = load_serving_model(settings, experts=recorder)
+    freeze_startup_heap()  # as the services freeze theirs once loaded
     model.engine.start()
     try:
         measured = asyncio.run(measure(InProcessEngine(model, recorder), workload, prompts, say))
     finally:
         model.engine.stop()
+        thaw_heap()
         torch.set_num_threads(previous_threads)
     return InProcessResult(measured, recorder.touched_bytes_per_step(expert_bytes, w.streams))
 

@@ -147,13 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-torch", action="store_true", help="skip the pure-torch baseline")
     p.add_argument("--pack", action="store_true", help="weights packed by 16 rows where this ISA has that layout "
                    "(as the attention side's linears and the experts are loaded)")
+    p.add_argument("--no-vbmi", action="store_true", help="IQ3_XXS's grid by per-row lookups, not the VBMI "
+                   "byte permutations (to compare; no effect where the CPU has no VBMI)")
     a = p.parse_args(argv)
     if not native.AVAILABLE:
         raise SystemExit(f"native kernels unavailable: {native.UNAVAILABLE_REASON}")
     if a.threads:
         native.set_num_threads(a.threads)
         torch.set_num_threads(a.threads)
-    print(f"native ISA {native.isa()}, {native.get_num_threads()} native threads, torch {torch.get_num_threads()} "
+    vbmi = native._set_vbmi(not a.no_vbmi)
+    print(f"native ISA {native.isa()}{' (VBMI grid decoder)' if vbmi and not a.no_vbmi else ''}, {native.get_num_threads()} native threads, torch {torch.get_num_threads()} "
           f"threads; weights cycled: {a.mb:g} MB per timing; dq+mm GEMMs in {str(gemm_dtype()).removeprefix('torch.')}")
     rows: list = []
     for f in a.formats:

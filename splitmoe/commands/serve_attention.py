@@ -205,5 +205,5 @@ def run(args: argparse.Namespace) -> int:
         native.pin_compute(compute_cpus(torch.get_num_threads()))
     setup_tracing("splitmoe-attention", settings.otlp_endpoint)
     logging.getLogger(__name__).info("starting attention service for %s (%s)", settings.model_path, args.dtype)
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, freeze_heap=True))
     return 0

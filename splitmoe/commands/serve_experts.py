@@ -105,6 +105,7 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     import threading
 
     from splitmoe.expert_service.server import ExpertServer, describe_shard, memory_line
+    from splitmoe.runtime.heap import freeze_startup_heap
     from splitmoe.runtime.settings import setup_logging
     from splitmoe.runtime.telemetry import setup_tracing
 
@@ -121,6 +122,7 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     port = server.start()
+    freeze_startup_heap()  # the loaded shard's objects out of the collector's walks (runtime/heap.py)
     log = logging.getLogger("splitmoe.serve_experts")
     log.info("ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
              describe_shard(hosted.describe()), memory_line())
