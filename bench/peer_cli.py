@@ -16,8 +16,8 @@ sequence, so its streams route to the same experts (see FORKS). llama-bench's to
 starts from an empty context unless asked otherwise: the decode figure is its test after a
 `prompt_tokens` prompt, as our single stream decodes (ik_llama.cpp's `-gp P,N`, llama.cpp's `-d`),
 each step attending to as many cached tokens as ours. Its decode from an empty context is kept
-beside it (the variants' `decode_at_empty_context_tok_s`): on the 6-layer Qwen3 file ik_llama.cpp
-decodes 8-13% faster there.
+beside it (the variants' `decode_at_empty_context_tok_s`): on the Qwen3 and DeepSeek files ik_llama.cpp
+decoded 4-13% faster there (Zen 5, session 21).
 """
 from __future__ import annotations
 
