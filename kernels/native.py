@@ -527,6 +527,32 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Te
     return out
 
 
+class RowLookup:
+    """Rows of a 2-D quantized tensor dequantized by index (a token embedding's lookup): the tensor is
+    checked once here, each lookup is one native call (float32 rows, as `dequantize(w, rows=ids)`).
+    A decode step looks up one row a sequence, where `dequantize`'s checks cost more than the row."""
+
+    def __init__(self, w: QuantTensor):
+        _need()
+        if len(w.shape) != 2:
+            raise ValueError(f"row lookup: {w.name!r} must be 2-D, not {list(w.shape)}")
+        data, n, k, row_bytes = _rows(w, "dequantize")
+        if not _lib.smk_can_dequantize(int(w.ggml_type)):
+            raise ValueError(f"row lookup: tensor {w.name!r}: unsupported quant type {_type_name(int(w.ggml_type))}")
+        self.name, self.num_rows, self.k = w.name, n, k
+        self._keep = data  # the buffer the C side reads
+        self._args = (int(w.ggml_type), _ptr(data), row_bytes, n, k)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: a contiguous CPU int64 [N] tensor of rows in range (the caller checked) -> float32 [N, k]."""
+        out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        if ids.numel():
+            rc = _lib.smk_dequantize(*self._args, ids.data_ptr(), ids.numel(), 0, out.data_ptr())
+            if rc != 0:
+                raise ValueError(f"row lookup: native kernel refused tensor {self.name!r} (code {rc})")
+        return out
+
+
 class MoELayer:
     """One MoE layer's hosted experts, prepared once: pointers into the mmap, or copies packed by 16
     rows where this ISA has the faster kernels for them (see `repack_enabled`)."""
