@@ -52,7 +52,7 @@ if (sys.platform.startswith("linux") or sys.platform == "darwin") and os.environ
             include_dirs=["kernels/csrc"],  # smk.h, for the sources outside kernels/ too
             depends=["kernels/csrc/smk.h", "kernels/csrc/iq_grids.h", "kernels/csrc/dot_avx512.inc", "kernels/csrc/attention.inc",
                      "kernels/csrc/attention_tiled.inc", "kernels/csrc/kv_quant.h",
-                     "kernels/csrc/doorbell.h"],
+                     "kernels/csrc/doorbell.h", "kernels/csrc/target_pop.h"],
             language="c++",
             extra_compile_args=[
                 "-std=c++17", "-O3", "-g0", "-fvisibility=hidden",

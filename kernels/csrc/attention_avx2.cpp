@@ -85,11 +85,7 @@ struct V {
 }  // namespace avx2_attn
 }  // namespace smk
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
 
 void smk::init_attention_avx2(Kernels& k) {
     k.attn_unit = avx2_attn::unit;

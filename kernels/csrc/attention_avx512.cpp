@@ -78,11 +78,7 @@ struct V {
 }  // namespace avx512_attn
 }  // namespace smk
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
 
 void smk::init_attention_avx512(Kernels& k) {
     k.attn_unit = avx512_attn::unit;

@@ -384,11 +384,7 @@ void quantize_rows256(const float* x, size_t xstride, int n, int k, uint8_t* rec
 }  // namespace avx2
 }  // namespace smk
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
 
 void smk::init_avx2(Kernels& K) {
     using namespace avx2;

@@ -23,11 +23,7 @@ namespace avx512 {
 }  // namespace avx512
 }  // namespace smk
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
 
 void smk::init_avx512(Kernels& k) { avx512::init_impl(k); }
 

@@ -26,11 +26,7 @@ namespace avx512vbmi {
 }  // namespace avx512vbmi
 }  // namespace smk
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
 
 void smk::init_avx512vbmi(Kernels& k) {
     Kernels all = k;

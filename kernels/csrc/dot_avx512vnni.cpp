@@ -23,11 +23,7 @@ namespace avx512vnni {
 }  // namespace avx512vnni
 }  // namespace smk
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "target_pop.h"
 
 void smk::init_avx512vnni(Kernels& k) { avx512vnni::init_impl(k); }
 
