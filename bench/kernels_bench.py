@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         native.set_num_threads(a.threads)
         torch.set_num_threads(a.threads)
-    vbmi = native._set_vbmi(not a.no_vbmi)
-    print(f"native ISA {native.isa()}{' (VBMI grid decoder)' if vbmi and not a.no_vbmi else ''}, {native.get_num_threads()} native threads, torch {torch.get_num_threads()} "
+    vbmi = native._set_vbmi(not a.no_vbmi) and not a.no_vbmi  # False where the CPU has no VBMI kernel
+    print(f"native ISA {native.isa()}{' (VBMI grid decoder)' if vbmi else ''}, {native.get_num_threads()} native "
+          f"threads, torch {torch.get_num_threads()} "
           f"threads; weights cycled: {a.mb:g} MB per timing; dq+mm GEMMs in {str(gemm_dtype()).removeprefix('torch.')}")
     rows: list = []
     for f in a.formats:

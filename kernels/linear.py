@@ -242,7 +242,12 @@ class QuantEmbedding:
     def __init__(self, qt: QuantTensor, dtype: torch.dtype = torch.bfloat16):
         _quantized(self, qt, dtype, 2, "an embedding")
         nat = native()
-        self._native = nat.RowLookup(qt) if nat is not None and _can_dequantize(nat, qt) else None
+        self._native = None
+        if nat is not None:
+            try:
+                self._native = nat.RowLookup(qt)
+            except ValueError:  # a type the native dequantization lacks: the torch path
+                pass
 
     def __repr__(self) -> str:
         return f"QuantEmbedding({self.qt.name!r}, {self.qt.type_name}, {list(self.shape)})"
@@ -250,10 +255,11 @@ class QuantEmbedding:
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long)
         flat = ids.reshape(-1).cpu().contiguous()
-        # A decode step's few ids are checked in Python: two torch reductions cost more than the row.
-        values = flat.tolist() if flat.numel() <= 64 else None
-        low, high = (min(values), max(values)) if values else \
-            (int(flat.min()), int(flat.max())) if flat.numel() else (0, 0)
+        if flat.numel() <= 64:  # a decode step's few ids, checked in Python: two reductions cost more than the row
+            values = flat.tolist()
+            low, high = (min(values), max(values)) if values else (0, 0)
+        else:
+            low, high = int(flat.min()), int(flat.max())
         if low < 0 or high >= self.shape[0]:
             raise IndexError(f"token id out of range for {self.qt.name!r} with {self.shape[0]} rows")
         if self._native is not None:

@@ -494,6 +494,14 @@ def matmul(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None) -> 
     return WeightMatmul(w)(x, out)
 
 
+def _dequantizable(w: QuantTensor, what: str) -> tuple[np.ndarray, int, int, int]:
+    """`_rows` of a tensor the native dequantization reads, else ValueError naming it."""
+    data, n, k, row_bytes = _rows(w, what)
+    if not _lib.smk_can_dequantize(int(w.ggml_type)):
+        raise ValueError(f"{what}: tensor {w.name!r}: unsupported quant type {_type_name(int(w.ggml_type))}")
+    return data, n, k, row_bytes
+
+
 def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
                rows: torch.Tensor | None = None) -> torch.Tensor:
     """w's values as float32 (bit-identical to kernels.quants.dequantize) or bfloat16, in w.shape;
@@ -501,9 +509,7 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Te
     _need()
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequantize: dtype must be float32 or bfloat16, got {dtype}")
-    data, n, k, row_bytes = _rows(w, "dequantize")
-    if not _lib.smk_can_dequantize(int(w.ggml_type)):
-        raise ValueError(f"dequantize: tensor {w.name!r}: unsupported quant type {_type_name(int(w.ggml_type))}")
+    data, n, k, row_bytes = _dequantizable(w, "dequantize")
     if rows is not None:
         if len(w.shape) != 2:
             raise ValueError(f"dequantize: rows= needs a 2-D tensor, {w.name!r} has shape {w.shape}")
@@ -536,9 +542,7 @@ class RowLookup:
         _need()
         if len(w.shape) != 2:
             raise ValueError(f"row lookup: {w.name!r} must be 2-D, not {list(w.shape)}")
-        data, n, k, row_bytes = _rows(w, "dequantize")
-        if not _lib.smk_can_dequantize(int(w.ggml_type)):
-            raise ValueError(f"row lookup: tensor {w.name!r}: unsupported quant type {_type_name(int(w.ggml_type))}")
+        data, n, k, row_bytes = _dequantizable(w, "row lookup")
         self.name, self.num_rows, self.k = w.name, n, k
         self._keep = data  # the buffer the C side reads
         self._args = (int(w.ggml_type), _ptr(data), row_bytes, n, k)
