@@ -68,10 +68,14 @@ NATIVE_MAX_TOKENS = {torch.float32: 160, torch.bfloat16: 48}
 GRID_IQ_TYPES = frozenset(int(t) for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S))
 GRID_IQ_MAX_TOKENS = {torch.float32: 96}
 # Experts packed by 16 rows (kernels/csrc/repack.cpp, AVX-512) run the int8 tiles at twice the in-place
-# rate: measured on one AMD EPYC core (AVX-512 VNNI and BF16), a 768x2048 Q4_K matrix, 0.34 ms at 64
-# tokens and 3.1 ms at 256 against 2.1 and 4.8 ms for native dequantization + the bfloat16 GEMM (Q6_K:
-# 0.44 / 3.4 against 4.7 / 6.9). A layer whose experts are all packed keeps the native route this far.
-PACKED_MAX_TOKENS = 256
+# rate, linear in the tokens: a layer whose experts are all packed keeps the native route up to where
+# native dequantization + the bfloat16 GEMM catches up. Measured on 2 AMD EPYC Zen 5 cores (AVX-512
+# VNNI and BF16), a 768x2048 matrix, native against dequantize + GEMM: Q4_K 1.76 / 2.28 ms at 512
+# tokens, 4.1 / 4.1 at 1024, 6.7 / 7.4 at 2048; Q6_K 2.18 / 2.86, 3.9 / 4.4, 8.3 / 7.9; MXFP4 and Q8_0
+# level at 1024. A prompt of random tokens sends up to ~420 of its 512 tokens to one expert in the
+# deeper layers of the 24-layer Qwen3-30B-A3B shape: at 256 those experts took the slower route
+# (24 layers' experts 1200 -> 968 ms a prompt, the prefill 210 -> 245 tok/s).
+PACKED_MAX_TOKENS = 1024
 # Pure-torch fallback: torch's int4 kernel vs dequantizing with kernels.quants (slow) + GEMM.
 INT4_MAX_TOKENS = 256
 

@@ -42,8 +42,11 @@ log = logging.getLogger("splitmoe.kernels")
 # activations to int8 (whose ~1% per-product error flips near-tied expert choices: see
 # tests/attention_service/model/test_fixtures.py). 17-64-row decode batches pay up to ~1.5x for that.
 SMALL_BATCH_ROWS = 16
-# Elements dequantized per chunk on the GEMM route: 2M float32 values (8 MiB) per thread.
-CHUNK_ELEMS = 1 << 21
+# Elements dequantized per chunk on the GEMM route (a reused scratch per thread, 32 MiB in bfloat16).
+# A weight of up to this many values is one GEMM, a layer's q, k and v together one as well
+# (`LinearGroup`): with 2M values a chunk, a 512-token prompt's projections paid ~0.7 ms a weight for
+# the split (the chunks' GEMMs and their strided copies out), 5-7% of each, on 2 Zen 5 cores.
+CHUNK_ELEMS = 1 << 24
 
 DENSE_TYPES = frozenset({int(T.F32), int(T.F16), int(T.BF16)})
 
@@ -92,7 +95,7 @@ def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffers = _scratch.buffers = {}
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(max(numel, CHUNK_ELEMS), dtype=dtype)
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
@@ -169,6 +172,10 @@ class QuantLinear:
         dtype = gemm_dtype()
         x = x.to(dtype)
         k = self.shape[1]
+        if len(self._chunks) == 1:
+            w = _scratch_buffer(self.shape[0] * k, dtype).view(self.shape[0], k)
+            self.dequantize_into(w, dtype)
+            return torch.mm(x, w.t()).float()
         out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
         for start, end, part in self._chunks:
             w = _scratch_buffer((end - start) * k, dtype).view(end - start, k)
@@ -176,11 +183,15 @@ class QuantLinear:
                 self._native.dequantize(part, dtype=dtype, out=w)
             else:
                 w.copy_(dequantize(part))
-            if len(self._chunks) == 1 and dtype == torch.float32:
-                torch.mm(x, w.t(), out=out)
-            else:
-                out[:, start:end] = torch.mm(x, w.t())
+            out[:, start:end] = torch.mm(x, w.t())
         return out
+
+    def dequantize_into(self, w: torch.Tensor, dtype: torch.dtype) -> None:
+        """The whole weight's values into w ([out_features, in_features] of `dtype`)."""
+        if self._native_dequantize:
+            self._native.dequantize(self.qt, dtype=dtype, out=w)
+        else:
+            w.copy_(dequantize(self.qt))
 
     def _row_chunks(self) -> list[tuple[int, int, QuantTensor]]:
         """(first row, end row, those rows as a QuantTensor view) of at most CHUNK_ELEMS values each."""
@@ -289,21 +300,38 @@ class LinearGroup:
             and len({w.in_features for w in weights}) == 1
         self._residual = fusable and all(w.residual for w in weights)
         self._fused = nat.WeightMatmul(*(w.kernel for w in weights)) if fusable else None
+        # Many rows: one dequantized [sum of rows, in] matrix and one GEMM where it fits a chunk
+        self._one_gemm = fusable and sum(w.out_features for w in weights) * weights[0].in_features <= CHUNK_ELEMS
 
     def __call__(self, x: torch.Tensor, biases: tuple[torch.Tensor | None, ...] | None = None) -> tuple[torch.Tensor, ...]:
         biases = biases or (None,) * len(self.weights)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if self._fused is None or x2.shape[0] > SMALL_BATCH_ROWS:
+        if self._fused is None or (x2.shape[0] > SMALL_BATCH_ROWS and not self._one_gemm):
             return tuple(linear(x, w, b) for w, b in zip(self.weights, biases))
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        parts = self._fused(x2, residual=self._residual and _step.single).split(self._fused.sizes, dim=1)
+        if x2.shape[0] > SMALL_BATCH_ROWS:
+            parts = self._dequantize_gemm(x2)
+        else:
+            if x2.dtype != torch.float32 or not x2.is_contiguous():
+                x2 = x2.float().contiguous()
+            parts = self._fused(x2, residual=self._residual and _step.single).split(self._fused.sizes, dim=1)
         out = []
         for part, b in zip(parts, biases):
             if b is not None:
                 part += b
             out.append(part if x.dim() == 2 else part.reshape(*x.shape[:-1], part.shape[1]))
         return tuple(out)
+
+
+    def _dequantize_gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The many-rows route of every weight at once: their values stacked, one GEMM (as each alone)."""
+        dtype = gemm_dtype()
+        k = self.weights[0].in_features
+        w = _scratch_buffer(self._fused.n * k, dtype).view(self._fused.n, k)
+        start = 0
+        for lin in self.weights:
+            lin.dequantize_into(w[start:start + lin.out_features], dtype)
+            start += lin.out_features
+        return torch.mm(x.to(dtype), w.t()).float().split(self._fused.sizes, dim=1)
 
 
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -193,15 +193,19 @@ def test_rejects_what_is_not_a_quantized_matrix():
         QuantLinear(QuantTensor("f", int(T.F32), (2, 4), np.zeros((2, 4), np.float32)))
 
 
-@pytest.mark.parametrize("m", [1, 3, kl.SMALL_BATCH_ROWS, kl.SMALL_BATCH_ROWS + 1])
-def test_group_of_linears_equals_each_alone(native_module, m):
+@pytest.mark.parametrize("one_gemm", [True, False])
+@pytest.mark.parametrize("m", [1, 3, kl.SMALL_BATCH_ROWS, kl.SMALL_BATCH_ROWS + 1, 70])
+def test_group_of_linears_equals_each_alone(native_module, m, one_gemm, monkeypatch):
     """q, k, v of other types and widths: few rows in one fused call (activations quantized once,
-    as each alone quantizes them the same way), many rows each on its own route: equal either way."""
+    as each alone quantizes them the same way), many rows in one GEMM over the weights stacked (or,
+    past a chunk, each on its own route): equal either way."""
+    if not one_gemm:
+        monkeypatch.setattr(kl, "CHUNK_ELEMS", 100 * 512)
     ws = [QuantLinear(quant_tensor(T.Q4_K, 64, 512, seed=1)), QuantLinear(quant_tensor(T.Q6_K, 16, 512, seed=2)),
           QuantLinear(quant_tensor(T.Q8_0, 48, 512, seed=3))]
     biases = (torch.randn(64), None, torch.randn(48))
     group = kl.LinearGroup(*ws)
-    assert group._fused is not None and group._fused.sizes == (64, 16, 48)
+    assert group._fused is not None and group._fused.sizes == (64, 16, 48) and group._one_gemm == one_gemm
     x = torch.randn(2, m, 512, generator=torch.Generator().manual_seed(m)) if m > 1 else torch.randn(m, 512)
     got = group(x, biases)
     for g, w, b in zip(got, ws, biases):
