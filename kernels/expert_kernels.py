@@ -266,7 +266,9 @@ def scratch_buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> tor
     if numel * dtype.itemsize > _SCRATCH_MAX_BYTES:
         return torch.empty(shape, dtype=dtype)
     buf = getattr(_tls, name, None)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+    # one made under inference_mode cannot take in-place writes outside it (a test, a tool): made anew
+    if buf is None or buf.dtype != dtype or buf.numel() < numel \
+            or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = torch.empty(numel, dtype=dtype)
         setattr(_tls, name, buf)
     return buf[:numel].view(shape)

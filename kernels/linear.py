@@ -94,7 +94,8 @@ def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if buffers is None:
         buffers = _scratch.buffers = {}
     buf = buffers.get(dtype)
-    if buf is None or buf.numel() < numel:
+    # one made under inference_mode cannot take in-place writes outside it: made anew
+    if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 

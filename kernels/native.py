@@ -129,6 +129,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("smk_attention", I, [P, I, I, I, I, I, P, L, L, P, L, L, I, P, L, L, P, L, L, P, P, I, P, ctypes.c_float, I,
                               P, P]),
         ("smk_kv_quantize", I, [I, P, L, I, P, P]),
+        ("smk_rms_norm", I, [P, L, L, L, L, I, P, ctypes.c_float, P]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -530,6 +531,27 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, out: torch.Te
                              int(dtype == torch.bfloat16), out.data_ptr())
     if rc != 0:
         raise ValueError(f"dequantize: native kernel refused tensor {w.name!r} (code {rc})")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] float32 (up to 3 dims, the last contiguous: a head-split view of a projection is fine)
+    -> a new contiguous float32 tensor, each row x / sqrt(mean(x^2) + eps) * weight, the sum of squares
+    in double in a fixed order (csrc/norm.cpp: the same bits on every ISA, as the decode front norms)."""
+    _need()
+    n = x.shape[-1] if x.dim() else 0
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not 1 <= x.dim() <= 3 or n == 0 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: x must be a 1- to 3-D float32 CPU tensor with contiguous rows, "
+                         f"got {tuple(x.shape)} {x.dtype} strides {tuple(x.stride())} on {x.device}")
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or tuple(weight.shape) != (n,) \
+            or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"rms_norm: weight must be a contiguous float32 CPU tensor of shape ({n},)")
+    x3 = x.reshape(1, 1, n) if x.dim() == 1 else x.unsqueeze(0) if x.dim() == 2 else x
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rc = _lib.smk_rms_norm(x.data_ptr(), x3.shape[0], x3.shape[1], x3.stride(0), x3.stride(1), n,
+                           weight.data_ptr(), float(eps), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"rms_norm: native kernel refused shape {tuple(x.shape)} (code {rc})")
     return out
 
 

@@ -80,14 +80,7 @@ struct SmkDecodeStep {  // what every layer of one step shares
 namespace {
 
 void rms_norm_rows(const float* x, int rows, int n, const float* w, float eps, float* out) {
-    for (int r = 0; r < rows; ++r) {
-        const float* xr = x + size_t(r) * n;
-        float* o = out + size_t(r) * n;
-        double ss = 0.0;  // the sum of squares of a few thousand floats: double keeps it exact enough
-        for (int i = 0; i < n; ++i) ss += double(xr[i]) * xr[i];
-        const float inv = 1.0f / std::sqrt(float(ss / n) + eps);
-        for (int i = 0; i < n; ++i) o[i] = xr[i] * inv * w[i];
-    }
+    for (int r = 0; r < rows; ++r) rms_norm_row(x + size_t(r) * n, n, w, eps, out + size_t(r) * n);
 }
 
 // out[i] = x[i] cos[i] + x[partner(i)] sin[i] over the first `dims` of each of `heads` heads.

@@ -478,3 +478,25 @@ def test_concurrent_callers_and_fork():
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     finally:
         native.set_num_threads(n0)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 2048), (40, 5, 128), (2, 3, 100)])
+def test_rms_norm_rows_as_float64_and_views_as_copies(shape):
+    """csrc/norm.cpp: each row scaled by 1 / sqrt(mean(x^2) + eps) (the sum of squares in double) and the
+    weight; a head-split view of a wider projection (rows strided) gives what its contiguous copy gives."""
+    gen = torch.Generator().manual_seed(len(shape))
+    n = shape[-1]
+    wide = torch.randn(*shape[:-1], n + 24, generator=gen) * 3
+    x = wide[..., 5:5 + n]  # rows not contiguous with each other
+    w = torch.randn(n, generator=gen)
+    got = native.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous() and got.dtype == torch.float32
+    xd = x.double()
+    want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert torch.allclose(got.double(), want, rtol=3e-7, atol=1e-7)
+    assert torch.equal(got, native.rms_norm(x.contiguous(), w, 1e-6))
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (n,), w, 1e-6), rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="rms_norm"):
+        native.rms_norm(x.double(), w, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        native.rms_norm(x, w[:-1], 1e-6)
