@@ -35,6 +35,7 @@ SOURCES = [
     "kernels/csrc/attention_avx512.cpp",
     "kernels/csrc/decode_layer.cpp",
     "kernels/csrc/norm.cpp",
+    "kernels/csrc/rope.cpp",
     "kernels/csrc/route.cpp",
     "kernels/csrc/decode_moe_layer.cpp",
     "attention_service/expert_backends/csrc/direct_hop.cpp",  # the doorbell client of a fused decode layer

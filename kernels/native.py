@@ -130,6 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                               P, P]),
         ("smk_kv_quantize", I, [I, P, L, I, P, P]),
         ("smk_rms_norm", I, [P, L, L, L, L, I, P, ctypes.c_float, P]),
+        ("smk_rope", I, [P, L, L, L, L, I, I, I, P, P, P]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -552,6 +553,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                            weight.data_ptr(), float(eps), out.data_ptr())
     if rc != 0:
         raise ValueError(f"rms_norm: native kernel refused shape {tuple(x.shape)} (code {rc})")
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [T, H, D] float32 (rows contiguous; heads and tokens may be strided: a view of a projection),
+    rotated over its first `dims` = cos.shape[-1] values per head by the tables cos, sin [T, dims]
+    (sin signed: Rope.tables' layout), the rest copied -> a new contiguous float32 [T, H, D] with the
+    torch path's bits (csrc/rope.cpp)."""
+    _need()
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"rope: x must be a 3-D float32 CPU tensor with contiguous rows, "
+                         f"got {tuple(x.shape)} {x.dtype} strides {tuple(x.stride())} on {x.device}")
+    T, H, D = x.shape
+    dims = cos.shape[-1] if cos.dim() else 0
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (T, dims) or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"rope: {name} must be a contiguous float32 CPU tensor [{T}, dims], got {tuple(t.shape)}")
+    if not 0 < dims <= D or dims % 2:
+        raise ValueError(f"rope: {dims} rotated dims do not fit heads of {D}")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rc = _lib.smk_rope(x.data_ptr(), T, H, x.stride(0), x.stride(1), D, dims, int(interleaved), cos.data_ptr(),
+                       sin.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"rope: native kernel refused shape {tuple(x.shape)} (code {rc})")
     return out
 
 

@@ -14,8 +14,9 @@ from splitmoe.kernels.linear import QuantLinear, linear  # noqa: F401 - re-expor
 from splitmoe.kernels.linear import native as native_kernels
 from splitmoe.modelfile.hparams import NORM_LAYER, NORM_RMS, RopeScaling
 
-# From this many values on (a prompt's rows), float32 norms go to the native routine (kernels/csrc/norm.cpp):
-# torch's took ~0.55 ms for 512 x 2048 and ~1 ms for a per-head q norm of 512 x 32 x 128 (2 Zen 5 cores).
+# From this many values on (a prompt's rows), float32 norms and rotary embeddings go to the native routines
+# (kernels/csrc/norm.cpp, rope.cpp): torch's norm took ~0.55 ms for 512 x 2048 and ~1 ms for a per-head
+# q norm of 512 x 32 x 128, its rope ~0.85 ms for a layer's q and k (2 Zen 5 cores).
 NATIVE_NORM_MIN_VALUES = 1 << 15
 
 
@@ -78,6 +79,11 @@ class Rope:
         same products and sums as (a·cos − b·sin, a·sin + b·cos), so bit-identical, in fewer calls.
         """
         cos, sin = self.tables(positions)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 \
+                and x.numel() >= NATIVE_NORM_MIN_VALUES:
+            nat = native_kernels()
+            if nat is not None:  # a prompt's rows: one native call, the same bits
+                return nat.rope(x, cos[:, 0], sin[:, 0], self.interleaved)
         rot = x[..., : self.dims].float()
         if self.interleaved:
             swapped = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)

@@ -83,22 +83,6 @@ void rms_norm_rows(const float* x, int rows, int n, const float* w, float eps, f
     for (int r = 0; r < rows; ++r) rms_norm_row(x + size_t(r) * n, n, w, eps, out + size_t(r) * n);
 }
 
-// out[i] = x[i] cos[i] + x[partner(i)] sin[i] over the first `dims` of each of `heads` heads.
-void rope_heads(float* x, int heads, int head_dim, int dims, bool interleaved, const float* cos, const float* sin) {
-    float rot[1024];
-    const int half = dims / 2;
-    for (int h = 0; h < heads; ++h) {
-        float* xh = x + size_t(h) * head_dim;
-        std::memcpy(rot, xh, sizeof(float) * size_t(dims));
-        for (int i = 0; i < dims; ++i) {
-            const int partner = interleaved ? (i ^ 1) : (i < half ? i + half : i - half);
-            const float a = rot[i] * cos[i];
-            const float b = rot[partner] * sin[i];
-            xh[i] = a + b;
-        }
-    }
-}
-
 void write_kv(void* pool, int kv_type, int64_t row_stride, int64_t head_stride, uint16_t* scales, int64_t scale_row,
               int64_t scale_head, int64_t slot, const float* src, int heads, int dim) {
     const int eb = kv_elem_bytes(kv_type);

@@ -500,3 +500,28 @@ def test_rms_norm_rows_as_float64_and_views_as_copies(shape):
         native.rms_norm(x.double(), w, 1e-6)
     with pytest.raises(ValueError, match="weight"):
         native.rms_norm(x, w[:-1], 1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dims", [64, 128])
+def test_rope_rows_are_the_torch_paths_bits(interleaved, dims, monkeypatch):
+    """csrc/rope.cpp against layers.Rope's torch route on the same tables: equal bits, over strided views
+    (q and k split from one projection) and a partial rotation (dims < head_dim: the rest copied)."""
+    from splitmoe.attention_service.model import layers
+
+    gen = torch.Generator().manual_seed(dims + interleaved)
+    T, H, D = 37, 6, 128
+    proj = torch.randn(T, H * D + 40, generator=gen) * 4
+    x = proj[:, 8:8 + H * D].view(T, H, D)
+    rope = layers.Rope(dims, 10000.0, interleaved)
+    positions = torch.arange(100, 100 + T)
+    cos, sin = rope.tables(positions)
+    got = native.rope(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), interleaved)
+    assert got.is_contiguous() and torch.equal(got[..., dims:], x[..., dims:])
+    monkeypatch.setattr(layers, "NATIVE_NORM_MIN_VALUES", 1 << 40)  # Rope takes the torch route
+    want = rope(x, positions)
+    assert torch.equal(got, want) and not torch.equal(got[..., :dims], x[..., :dims])
+    monkeypatch.setattr(layers, "NATIVE_NORM_MIN_VALUES", 1)  # and the native one
+    assert torch.equal(rope(x, positions), want)
+    with pytest.raises(ValueError, match="rope"):
+        native.rope(x.double(), cos[:, 0], sin[:, 0], interleaved)
