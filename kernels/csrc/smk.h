@@ -6,6 +6,7 @@
 // (see Act below).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -232,6 +233,30 @@ void rope_heads(float* x, int heads, int head_dim, int dims, bool interleaved, c
 typedef void (*JobFn)(void* ctx, int tid);
 void parallel(JobFn fn, void* ctx);
 int num_threads();
+
+// fn(r0, r1) over rows [0, rows) in chunks shared out across the pool (about 4 a thread), or on the
+// calling thread alone for one thread or little work (`values`: what the rows hold together).
+template <class Fn>
+void parallel_rows(int rows, int64_t values, const Fn& fn) {
+    const int nt = num_threads();
+    if (nt == 1 || values < (int64_t(1) << 15)) {
+        fn(0, rows);
+        return;
+    }
+    struct Job {
+        const Fn* fn;
+        int rows, chunk;
+        std::atomic<int> next{0};
+    } job{&fn, rows, (rows + nt * 4 - 1) / (nt * 4)};
+    parallel([](void* p, int) {
+        auto* j = static_cast<Job*>(p);
+        for (;;) {
+            const int r0 = j->next.fetch_add(j->chunk, std::memory_order_relaxed);
+            if (r0 >= j->rows) return;
+            (*j->fn)(r0, r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows);
+        }
+    }, &job);
+}
 
 // A 64-byte aligned buffer of at least n bytes owned by the calling thread, reused across calls
 // (no allocation, no fresh pages to fault in per call). `slot` tells apart the buffers one call
