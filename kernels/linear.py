@@ -322,7 +322,6 @@ class LinearGroup:
             out.append(part if x.dim() == 2 else part.reshape(*x.shape[:-1], part.shape[1]))
         return tuple(out)
 
-
     def _dequantize_gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The many-rows route of every weight at once: their values stacked, one GEMM (as each alone)."""
         dtype = gemm_dtype()
