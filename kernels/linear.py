@@ -174,9 +174,7 @@ class QuantLinear:
         x = x.to(dtype)
         k = self.shape[1]
         if len(self._chunks) == 1:
-            w = _scratch_buffer(self.shape[0] * k, dtype).view(self.shape[0], k)
-            self.dequantize_into(w, dtype)
-            return torch.mm(x, w.t()).float()
+            return _stacked_gemm(x, (self,), dtype)
         out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
         for start, end, part in self._chunks:
             w = _scratch_buffer((end - start) * k, dtype).view(end - start, k)
@@ -324,14 +322,19 @@ class LinearGroup:
 
     def _dequantize_gemm(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The many-rows route of every weight at once: their values stacked, one GEMM (as each alone)."""
-        dtype = gemm_dtype()
-        k = self.weights[0].in_features
-        w = _scratch_buffer(self._fused.n * k, dtype).view(self._fused.n, k)
-        start = 0
-        for lin in self.weights:
-            lin.dequantize_into(w[start:start + lin.out_features], dtype)
-            start += lin.out_features
-        return torch.mm(x.to(dtype), w.t()).float().split(self._fused.sizes, dim=1)
+        return _stacked_gemm(x, self.weights, gemm_dtype()).split(self._fused.sizes, dim=1)
+
+
+def _stacked_gemm(x: torch.Tensor, linears: tuple[QuantLinear, ...], dtype: torch.dtype) -> torch.Tensor:
+    """float32 [m, sum of their rows]: the linears' values dequantized one under the other into the
+    scratch buffer, one GEMM in `dtype` (the many-rows route of a weight that fits a chunk, or of a group)."""
+    k = linears[0].in_features
+    w = _scratch_buffer(sum(lin.out_features for lin in linears) * k, dtype).view(-1, k)
+    start = 0
+    for lin in linears:
+        lin.dequantize_into(w[start:start + lin.out_features], dtype)
+        start += lin.out_features
+    return torch.mm(x.to(dtype), w.t()).float()
 
 
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

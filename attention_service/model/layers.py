@@ -17,7 +17,7 @@ from splitmoe.modelfile.hparams import NORM_LAYER, NORM_RMS, RopeScaling
 # From this many values on (a prompt's rows), float32 norms and rotary embeddings go to the native routines
 # (kernels/csrc/norm.cpp, rope.cpp): torch's norm took ~0.55 ms for 512 x 2048 and ~1 ms for a per-head
 # q norm of 512 x 32 x 128, its rope ~0.85 ms for a layer's q and k (2 Zen 5 cores).
-NATIVE_NORM_MIN_VALUES = 1 << 15
+NATIVE_ROWS_MIN_VALUES = 1 << 15
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,11 +25,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     torch's rms_norm is one call for the same float32 operations in the same order (bit-identical
     results), where the spelled-out form is eight: on a decode step the calls are the cost. A prompt's
-    float32 rows (NATIVE_NORM_MIN_VALUES and more) take the native routine instead, the sum of squares
+    float32 rows (NATIVE_ROWS_MIN_VALUES and more) take the native routine instead, the sum of squares
     in double, as the native decode front norms.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if x.numel() >= NATIVE_NORM_MIN_VALUES and x.device.type == "cpu" and x.stride(-1) == 1 and x.dim() <= 3:
+        if x.numel() >= NATIVE_ROWS_MIN_VALUES and x.device.type == "cpu" and x.stride(-1) == 1 and x.dim() <= 3:
             nat = native_kernels()
             if nat is not None:
                 return nat.rms_norm(x, weight.contiguous(), eps)
@@ -80,7 +80,7 @@ class Rope:
         """
         cos, sin = self.tables(positions)
         if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(-1) == 1 \
-                and x.numel() >= NATIVE_NORM_MIN_VALUES:
+                and x.numel() >= NATIVE_ROWS_MIN_VALUES:
             nat = native_kernels()
             if nat is not None:  # a prompt's rows: one native call, the same bits
                 return nat.rope(x, cos[:, 0], sin[:, 0], self.interleaved)

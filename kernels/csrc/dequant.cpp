@@ -2,8 +2,6 @@
 // gguf-py's), bit-identical to it in float32:
 // the same float operations in the same order (the build uses -ffp-contract=off, so no fused
 // multiply-add changes a rounding). Rows are shared out across the thread pool.
-#include <algorithm>
-#include <atomic>
 
 #include "iq_grids.h"
 #include "smk.h"
@@ -341,8 +339,6 @@ struct DqJob {
     bool bf16;
     bool vector_bf16;  // bf16 rounded 16 values a vector (AVX-512, whole vectors a block)
     void* out;
-    int chunk;
-    std::atomic<int> next{0};
 };
 
 void dq_range(const DqJob& j, int i0, int i1) {
@@ -370,15 +366,6 @@ void dq_range(const DqJob& j, int i0, int i1) {
     }
 }
 
-void dq_job(void* p, int) {
-    auto* j = static_cast<DqJob*>(p);
-    for (;;) {
-        int i0 = j->next.fetch_add(j->chunk, std::memory_order_relaxed);
-        if (i0 >= j->nrows) return;
-        dq_range(*j, i0, std::min(j->nrows, i0 + j->chunk));
-    }
-}
-
 }  // namespace
 }  // namespace smk
 
@@ -400,13 +387,7 @@ SMK_API int smk_dequantize(int type, const uint8_t* w, size_t wstride, int n, in
     if (nrows <= 0) return 0;
     j.w = w; j.wstride = wstride; j.k = k; j.rows = rows; j.nrows = nrows; j.bf16 = out_bf16 != 0; j.out = out;
     j.vector_bf16 = j.bf16 && use_avx512() && j.ti.elems % 16 == 0;
-    const size_t total = size_t(nrows) * size_t(k);
-    const int nt = num_threads();
-    j.chunk = std::max(1, (nrows + nt * 4 - 1) / (nt * 4));
-    if (nt == 1 || total < (size_t(1) << 15) || nrows == 1) {
-        dq_range(j, 0, nrows);
-    } else {
-        parallel(dq_job, &j);
-    }
+    // one row (an embedding lookup) stays on the calling thread: there is nothing to share out
+    parallel_rows(nrows, nrows == 1 ? 0 : int64_t(nrows) * k, [&](int i0, int i1) { dq_range(j, i0, i1); });
     return 0;
 }

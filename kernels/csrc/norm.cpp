@@ -3,9 +3,9 @@
 // in 16 fixed lanes (element i into lane i % 16, the lanes added in order), which every ISA computes
 // the same way: each clone below vectorizes those lanes as wide as it can, so the bits do not depend
 // on the CPU. The decode front (decode_layer.cpp) norms through the same routine, so a prompt's rows
-// and a decode step's rows are normed alike. A prompt's norms had been torch's: ~0.55 ms for
-// 512 x 2048 and ~1 ms for the per-head q norm of 512 x 32 x 128 inside a step (2 Zen 5 cores), where
-// this costs a fifth of that.
+// and a decode step's rows are normed alike. A prompt's norms had been torch's: inside a 512-token
+// prompt of the 24-layer Qwen3-30B-A3B shape ~0.55 ms for 512 x 2048 and ~1 ms for the per-head q norm
+// of 512 x 32 x 128 (2 Zen 5 cores; its OpenMP calls cost more there than alone): 2.3 -> 1.0 ms a layer.
 #include <climits>
 #include <cmath>
 #include <cstdint>

@@ -221,15 +221,15 @@ inline DotRowsFn dot_for(const Kernels& K, int type) {
 }
 
 // ---- thread pool ----------------------------------------------------------------------------
-// Runs fn(ctx, tid) on every pool thread and the caller (tid 0) and returns when all are done.
-// Work is shared out by the job itself (atomic counters), so any number of participants is
-// correct: when the pool is busy with another caller's job, the caller runs the job alone.
 // One row's RMS norm (norm.cpp): out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j], the same bits on every ISA.
 void rms_norm_row(const float* x, int n, const float* w, float eps, float* out);
 // Rotary embedding of each of `heads` rows of head_dim floats at x, in place, over their first dims
 // (rope.cpp): x[i] cos[i] + x[partner(i)] sin[i], rounded as the torch path rounds it.
 void rope_heads(float* x, int heads, int head_dim, int dims, bool interleaved, const float* cos, const float* sin);
 
+// Runs fn(ctx, tid) on every pool thread and the caller (tid 0) and returns when all are done.
+// Work is shared out by the job itself (atomic counters), so any number of participants is
+// correct: when the pool is busy with another caller's job, the caller runs the job alone.
 typedef void (*JobFn)(void* ctx, int tid);
 void parallel(JobFn fn, void* ctx);
 int num_threads();

@@ -518,10 +518,10 @@ def test_rope_rows_are_the_torch_paths_bits(interleaved, dims, monkeypatch):
     cos, sin = rope.tables(positions)
     got = native.rope(x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), interleaved)
     assert got.is_contiguous() and torch.equal(got[..., dims:], x[..., dims:])
-    monkeypatch.setattr(layers, "NATIVE_NORM_MIN_VALUES", 1 << 40)  # Rope takes the torch route
+    monkeypatch.setattr(layers, "NATIVE_ROWS_MIN_VALUES", 1 << 40)  # Rope takes the torch route
     want = rope(x, positions)
     assert torch.equal(got, want) and not torch.equal(got[..., :dims], x[..., :dims])
-    monkeypatch.setattr(layers, "NATIVE_NORM_MIN_VALUES", 1)  # and the native one
+    monkeypatch.setattr(layers, "NATIVE_ROWS_MIN_VALUES", 1)  # and the native one
     assert torch.equal(rope(x, positions), want)
     with pytest.raises(ValueError, match="rope"):
         native.rope(x.double(), cos[:, 0], sin[:, 0], interleaved)
