@@ -121,18 +121,19 @@ def serve_experts(settings: ExpertServiceSettings) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    port = server.start()
-    freeze_startup_heap()  # the loaded shard's objects out of the collector's walks (runtime/heap.py)
     log = logging.getLogger("splitmoe.serve_experts")
-    log.info("ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
-             describe_shard(hosted.describe()), memory_line())
-    if settings.numa_node is not None:
-        _log_numa_placement(log, settings.numa_node)
     if settings.metrics_port is not None:
+        # Before the gRPC port reports SERVING: whoever sees it serving can scrape it too.
         from splitmoe.expert_service.metrics import ExpertMetrics, serve_metrics
 
         metrics = ExpertMetrics(hosted, server.hops, lambda: server.servicer.draining)
         log.info("metrics on http://%s:%d/metrics", settings.host, serve_metrics(settings.host, settings.metrics_port, metrics))
+    port = server.start()
+    freeze_startup_heap()  # the loaded shard's objects out of the collector's walks (runtime/heap.py)
+    log.info("ready on %s:%d: %s %s; memory: %s", settings.host, port, settings.model_path.name,
+             describe_shard(hosted.describe()), memory_line())
+    if settings.numa_node is not None:
+        _log_numa_placement(log, settings.numa_node)
     announcer = None
     if settings.join:
         from splitmoe.expert_service.join import Announcer
