@@ -23,14 +23,18 @@ class AutoRebalancer:
         self._thread.start()
 
     def check(self, earlier: tuple[float, float, int]) -> tuple[float, float, int]:
-        """One check against the reading `earlier`; returns the reading the next check starts from."""
+        """One check against the reading `earlier`; returns the reading the next check starts from
+        (`earlier` itself while fewer than MIN_CALLS calls were measured since: light traffic is
+        judged over a longer window, not never)."""
         from splitmoe.attention_service.expert_backends.services import imbalance_between
 
         now = self._read_meter()
         if now[2] < earlier[2]:  # the meter was reset (a rebalance): measure from zero
             return now
         measured, num_calls = imbalance_between(earlier, now)
-        if num_calls >= MIN_CALLS and measured > self.threshold:
+        if num_calls < MIN_CALLS:  # too few to judge: the window grows until it holds enough
+            return earlier
+        if measured > self.threshold:
             log.info("measured imbalance %.3f over %d layer calls passes %.3f: rebalancing",
                      measured, num_calls, self.threshold)
             try:

@@ -147,6 +147,20 @@ def test_auto_mode_rebalances_only_past_its_threshold_on_enough_calls():
         auto.close()
 
 
+def test_auto_mode_judges_light_traffic_over_as_many_checks_as_it_takes():
+    meter = [0.0, 0.0, 0]
+    calls = []
+    auto = AutoRebalancer(lambda: tuple(meter), lambda: calls.append(1), threshold=1.3, interval_s=3600)
+    try:
+        reading = auto.check((0.0, 0.0, 0))
+        for _ in range(MIN_CALLS // 10 + 1):  # uneven, 10 calls between checks
+            meter[:] = [meter[0] + 2.0 * 10, meter[1] + 10, meter[2] + 10]
+            reading = auto.check(reading)
+        assert calls == [1]
+    finally:
+        auto.close()
+
+
 def test_small_calls_send_each_replicated_expert_whole_to_one_replica_evening_the_planned_load():
     both = [ExpertKey(0, e) for e in range(4)]
     load = torch.tensor([[10.0, 9.0, 1.0, 1.0]])
