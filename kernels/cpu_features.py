@@ -39,12 +39,23 @@ def cpu_flags() -> frozenset[str]:
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return model_from_cpuinfo(f.read())
     except OSError:
-        pass
-    return "unknown CPU"
+        return "unknown CPU"
+
+
+def model_from_cpuinfo(text: str) -> str:
+    """The first processor's model name with its x86 family and model numbers: a virtual machine's
+    name can be just "AMD EPYC" on Zen 4 and Zen 5 alike, whose kernels choose differently
+    (kernels.tuning keys its choices by this)."""
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 @functools.cache

@@ -35,3 +35,14 @@ def test_describe_names_the_cpu_flags_and_paths(monkeypatch):
     text = cf.describe()
     assert cf.cpu_model() in text and "avx512_vnni=" in text and "avx512_bf16=" in text
     assert "native kernels isa:" in text and "prefill gemm dtype: float32" in text
+
+
+def test_the_cpu_is_named_with_its_family_and_model():
+    """Zen 4 and Zen 5 virtual machines both call themselves "AMD EPYC"; the kernel choices are
+    kept per CPU by this name."""
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\n"
+    zen4 = block.format(n=0, f=25, m=17) + "\n" + block.format(n=1, f=25, m=17)
+    zen5 = block.format(n=0, f=26, m=2)
+    assert cf.model_from_cpuinfo(zen4) == "AMD EPYC (family 25, model 17)"
+    assert cf.model_from_cpuinfo(zen5) == "AMD EPYC (family 26, model 2)"
+    assert cf.model_from_cpuinfo("processor\t: 0\nmodel name\t: Apple M2\n") == "Apple M2"
