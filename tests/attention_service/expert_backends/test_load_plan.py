@@ -128,37 +128,36 @@ def test_a_shard_by_layer_is_written_as_a_rectangle_when_it_is_one():
 
 # ---- auto mode ------------------------------------------------------------------------------------
 
-def test_auto_mode_rebalances_only_past_its_threshold_on_enough_calls():
-    meter = [0.0, 0.0, 0]
-    calls = []
-    auto = AutoRebalancer(lambda: tuple(meter), lambda: calls.append(1), threshold=1.3, interval_s=3600)
-    try:
-        start = auto.check((0.0, 0.0, 0))
-        meter[:] = [1.2 * MIN_CALLS, 1.0 * MIN_CALLS, MIN_CALLS]  # even enough
-        reading = auto.check(start)
-        assert not calls
-        meter[:] = [reading[0] + 2.0 * 10, reading[1] + 10, reading[2] + 10]  # uneven, but too few calls
-        auto.check(reading)
-        assert not calls
-        meter[:] = [reading[0] + 2.0 * MIN_CALLS, reading[1] + MIN_CALLS, reading[2] + MIN_CALLS]
-        auto.check(reading)
-        assert calls == [1]
-    finally:
-        auto.close()
+@pytest.fixture
+def auto():
+    """(meter, rebalance calls, an AutoRebalancer over them that checks only when told)."""
+    meter, calls = [0.0, 0.0, 0], []
+    rebalancer = AutoRebalancer(lambda: tuple(meter), lambda: calls.append(1), threshold=1.3, interval_s=3600)
+    yield meter, calls, rebalancer
+    rebalancer.close()
 
 
-def test_auto_mode_judges_light_traffic_over_as_many_checks_as_it_takes():
-    meter = [0.0, 0.0, 0]
-    calls = []
-    auto = AutoRebalancer(lambda: tuple(meter), lambda: calls.append(1), threshold=1.3, interval_s=3600)
-    try:
-        reading = auto.check((0.0, 0.0, 0))
-        for _ in range(MIN_CALLS // 10 + 1):  # uneven, 10 calls between checks
-            meter[:] = [meter[0] + 2.0 * 10, meter[1] + 10, meter[2] + 10]
-            reading = auto.check(reading)
-        assert calls == [1]
-    finally:
-        auto.close()
+def test_auto_mode_rebalances_only_past_its_threshold_on_enough_calls(auto):
+    meter, calls, rebalancer = auto
+    start = rebalancer.check((0.0, 0.0, 0))
+    meter[:] = [1.2 * MIN_CALLS, 1.0 * MIN_CALLS, MIN_CALLS]  # even enough
+    reading = rebalancer.check(start)
+    assert not calls
+    meter[:] = [reading[0] + 2.0 * 10, reading[1] + 10, reading[2] + 10]  # uneven, but too few calls
+    rebalancer.check(reading)
+    assert not calls
+    meter[:] = [reading[0] + 2.0 * MIN_CALLS, reading[1] + MIN_CALLS, reading[2] + MIN_CALLS]
+    rebalancer.check(reading)
+    assert calls == [1]
+
+
+def test_auto_mode_judges_light_traffic_over_as_many_checks_as_it_takes(auto):
+    meter, calls, rebalancer = auto
+    reading = rebalancer.check((0.0, 0.0, 0))
+    for _ in range(MIN_CALLS // 10 + 1):  # uneven, 10 calls between checks
+        meter[:] = [meter[0] + 2.0 * 10, meter[1] + 10, meter[2] + 10]
+        reading = rebalancer.check(reading)
+    assert calls == [1]
 
 
 def test_small_calls_send_each_replicated_expert_whole_to_one_replica_evening_the_planned_load():
