@@ -25,7 +25,6 @@ a LoRA adapter (`lora=`) are computed by `kernels.expert_lora`, the other rows a
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
@@ -38,6 +37,7 @@ from splitmoe.kernels.moe import ACTIVATIONS, ExpertFFN, group_by_expert, moe_fo
 from splitmoe.kernels.quants import QuantTensor
 from splitmoe.kernels.quants import dequantize as ref_dequantize
 from splitmoe.kernels.repack_cache import RepackCache, load_or_repack
+from splitmoe.kernels.scratch import scratch_buffer
 from splitmoe.kernels.torch_threads import configured_threads
 
 try:
@@ -251,27 +251,6 @@ class FastMoELayer:
             h = h + gate_up_bias
         f = h.shape[1] // 2
         return ACTIVATIONS[ffn.activation](h[:, :f], h[:, f:])
-
-
-_tls = threading.local()
-
-
-_SCRATCH_MAX_BYTES = 64 << 20
-
-
-def scratch_buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread buffer reused across calls and layers (up to 64 MiB; larger ones are
-    allocated per call): a fresh dequantized expert costs page faults on every call."""
-    numel = math.prod(shape)
-    if numel * dtype.itemsize > _SCRATCH_MAX_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    buf = getattr(_tls, name, None)
-    # one made under inference_mode cannot take in-place writes outside it (a test, a tool): made anew
-    if buf is None or buf.dtype != dtype or buf.numel() < numel \
-            or (buf.is_inference() and not torch.is_inference_mode_enabled()):
-        buf = torch.empty(numel, dtype=dtype)
-        setattr(_tls, name, buf)
-    return buf[:numel].view(shape)
 
 
 def _fused_biases(ffn: ExpertFFN) -> tuple[torch.Tensor | None, torch.Tensor | None]:

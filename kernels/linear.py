@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType as T
 
 from splitmoe.kernels.cpu_features import gemm_dtype
 from splitmoe.kernels.quants import QuantTensor, dequantize
+from splitmoe.kernels.scratch import scratch_buffer
 
 log = logging.getLogger("splitmoe.kernels")
 
@@ -52,7 +53,6 @@ DENSE_TYPES = frozenset({int(T.F32), int(T.F16), int(T.BF16)})
 
 _UNSET = object()
 _native_module = _UNSET
-_scratch = threading.local()
 
 
 class _Step(threading.local):
@@ -90,14 +90,8 @@ def is_block_quantized(ggml_type: int) -> bool:
 
 
 def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None:
-        buffers = _scratch.buffers = {}
-    buf = buffers.get(dtype)
-    # one made under inference_mode cannot take in-place writes outside it: made anew
-    if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
+    """The many-rows route's dequantized weights (up to a chunk, or a q/k/v group): no size limit."""
+    return scratch_buffer(f"linear {dtype}", (numel,), dtype, max_bytes=None)
 
 
 class QuantLinear:

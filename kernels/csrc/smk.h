@@ -220,13 +220,14 @@ inline DotRowsFn dot_for(const Kernels& K, int type) {
     return (type & kPackedBit) ? K.packed[t] : K.dot[t];
 }
 
-// ---- thread pool ----------------------------------------------------------------------------
+// ---- row routines (the decode front and a prompt's rows alike) -------------------------------
 // One row's RMS norm (norm.cpp): out[j] = x[j] / sqrt(mean(x^2) + eps) * w[j], the same bits on every ISA.
 void rms_norm_row(const float* x, int n, const float* w, float eps, float* out);
 // Rotary embedding of each of `heads` rows of head_dim floats at x, in place, over their first dims
 // (rope.cpp): x[i] cos[i] + x[partner(i)] sin[i], rounded as the torch path rounds it.
 void rope_heads(float* x, int heads, int head_dim, int dims, bool interleaved, const float* cos, const float* sin);
 
+// ---- thread pool ----------------------------------------------------------------------------
 // Runs fn(ctx, tid) on every pool thread and the caller (tid 0) and returns when all are done.
 // Work is shared out by the job itself (atomic counters), so any number of participants is
 // correct: when the pool is busy with another caller's job, the caller runs the job alone.
